@@ -1,0 +1,174 @@
+/* Internal declarations shared by the C core's files (mgi_ prefix). Nothing
+ * here is part of the public API; tests include it to reach the parsers. */
+#ifndef MEMGUARD_MGI_H
+#define MEMGUARD_MGI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "memguard/memguard.h"
+
+/* ---- pure parsers (procfs.c): buffer in, struct out ---------------------
+ * Each returns 0, or EBADMSG with *why set to a static description of what
+ * was missing or malformed. Buffers need not be NUL-terminated; nothing is
+ * read past len. */
+
+typedef struct mgi_status {
+    uint64_t rss_bytes, hwm_bytes, swap_bytes;
+    int have_swap;
+} mgi_status_t;
+
+typedef struct mgi_meminfo {
+    uint64_t total_bytes, available_bytes, swap_total_bytes, swap_free_bytes;
+    int have_available, have_swap;
+} mgi_meminfo_t;
+
+typedef struct mgi_vmstat {
+    uint64_t pswpin, pswpout, pgmajfault;
+} mgi_vmstat_t;
+
+typedef struct mgi_psi {
+    double some_avg10, some_avg60, full_avg10, full_avg60;
+    uint64_t some_total_us, full_total_us;
+    int have_full;
+} mgi_psi_t;
+
+typedef struct mgi_faults {
+    uint64_t minor, major;
+} mgi_faults_t;
+
+/* Where this process sits in each hierarchy, from /proc/self/cgroup. */
+#define MGI_CGPATH_MAX 512
+typedef struct mgi_cgpaths {
+    char v1_memory[MGI_CGPATH_MAX]; /* "" when no v1 memory line */
+    char v2[MGI_CGPATH_MAX];        /* "" when no "0::" line */
+    int have_v1, have_v2;
+} mgi_cgpaths_t;
+
+/* Fields of a cgroup memory.stat we use (v1 names are total_* when present). */
+typedef struct mgi_cgstat {
+    uint64_t inactive_file;
+    uint64_t hierarchical_limit; /* v1 only; 0 when absent */
+    int have_inactive_file;
+} mgi_cgstat_t;
+
+typedef struct mgi_cgevents {
+    uint64_t oom, oom_kill, high, max;
+    int have_oom_kill;
+} mgi_cgevents_t;
+
+int mgi_parse_status(const char *buf, size_t len, mgi_status_t *out, const char **why);
+int mgi_parse_meminfo(const char *buf, size_t len, mgi_meminfo_t *out, const char **why);
+int mgi_parse_vmstat(const char *buf, size_t len, mgi_vmstat_t *out, const char **why);
+int mgi_parse_psi(const char *buf, size_t len, mgi_psi_t *out, const char **why);
+/* /proc/self/statm: resident pages (second field) times page_size. */
+int mgi_parse_statm(const char *buf, size_t len, uint64_t page_size, uint64_t *rss_bytes,
+                    const char **why);
+int mgi_parse_stat(const char *buf, size_t len, mgi_faults_t *out, const char **why);
+int mgi_parse_cgroup(const char *buf, size_t len, mgi_cgpaths_t *out, const char **why);
+/* A single number, or "max" (v2) which gives *unlimited = 1. */
+int mgi_parse_limit(const char *buf, size_t len, uint64_t *out, int *unlimited,
+                    const char **why);
+int mgi_parse_cgstat(const char *buf, size_t len, int version, mgi_cgstat_t *out,
+                     const char **why);
+/* v2 memory.events, or v1 memory.oom_control (version 1). */
+int mgi_parse_cgevents(const char *buf, size_t len, int version, mgi_cgevents_t *out,
+                       const char **why);
+/* Value of "key <u64>" (or "key: <u64> kB" with scale) lines; ENOENT if absent. */
+int mgi_find_u64(const char *buf, size_t len, const char *key, uint64_t *out);
+
+/* A locale-free decimal ("0.9", "256") filling the whole string. 0 or EINVAL. */
+int mgi_parse_double(const char *text, double *out);
+
+/* v1 reports "no limit" as a huge page-rounded number. */
+#define MGI_V1_UNLIMITED ((uint64_t)1 << 62)
+
+/* ---- sources (sources.c): kept-open descriptors, stack buffers ---------- */
+
+enum {
+    MGI_SRC_STATUS, MGI_SRC_STAT, MGI_SRC_STATM, MGI_SRC_MEMINFO, MGI_SRC_VMSTAT, MGI_SRC_PSI,
+    MGI_SRC_CG_USAGE, MGI_SRC_CG_LIMIT, MGI_SRC_CG_HIGH, MGI_SRC_CG_STAT,
+    MGI_SRC_CG_EVENTS, MGI_SRC_CG_PSI,
+    MGI_SRC_COUNT
+};
+
+/* The slow sources (status, meminfo, vmstat, cgroup limit/stat/events) cost
+ * 20-40 us each when cold, so they are cached and re-read only every
+ * slow_interval_ms, on every sample once pressure is ELEVATED, or as soon as
+ * RSS or cgroup usage moves by a sixteenth of the last known headroom. */
+typedef struct mgi_slow {
+    int have_status, have_meminfo, have_vm, have_vm_rate, have_cgstat, have_cgevents;
+    int have_cg_usage;
+    uint64_t cg_usage;              /* cached usage, used when there is no limit */
+    mgi_status_t status;
+    mgi_meminfo_t meminfo;
+    mgi_vmstat_t vm;
+    double swap_in_per_s, swap_out_per_s;
+    uint64_t cg_limit, cg_high;     /* 0: none */
+    mgi_cgstat_t cgstat;
+    mgi_cgevents_t cgevents;
+    uint64_t rss_at, cg_usage_at;   /* at the last refresh */
+    uint64_t move_trigger;          /* bytes of movement forcing a refresh */
+} mgi_slow_t;
+
+#define MGI_PATH_MAX 1024
+typedef struct mgi_sources {
+    int fd[MGI_SRC_COUNT];          /* -1: closed or absent */
+    int cg_version;                 /* 0: no memory cgroup found */
+    int use_rusage;                 /* faults from getrusage, not self/stat */
+    uint64_t cg_parent_limit;       /* v2: smallest memory.max above ours, 0 none */
+    char proc_root[MGI_PATH_MAX];
+    char cgroup_root[MGI_PATH_MAX];
+    char cg_dir[MGI_PATH_MAX];      /* resolved cgroup directory */
+
+    uint64_t page_size;             /* for statm */
+    uint64_t maxrss_bytes;          /* peak RSS from getrusage (live only) */
+    int64_t slow_period_ns;         /* refresh period of the slow sources */
+    int64_t slow_at_ns;             /* time of the last refresh, 0 never */
+    mgi_slow_t slow;
+} mgi_sources_t;
+
+/* Locate and open every source; absent ones stay -1. Never fails for a
+ * missing source; EINVAL for roots that do not fit. */
+int mgi_sources_open(mgi_sources_t *src, const char *proc_root, const char *cgroup_root);
+/* Read the sources into the raw fields of *s (no rates, no level); s->mono_ns
+ * must be set. @p urgent forces a refresh of the slow sources. */
+void mgi_sources_read(mgi_sources_t *src, mg_sample_t *s, int urgent);
+void mgi_sources_close(mgi_sources_t *src);
+/* Close without touching anything but the descriptors (fork child). */
+void mgi_sources_forget(mgi_sources_t *src);
+
+/* Zero *s, set size/version, and mark every rate and fraction NaN (absent). */
+void mgi_sample_init(mg_sample_t *s);
+/* Fill the rate and stall fields of *cur from *prev (same sampler). */
+void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur);
+
+/* ---- util --------------------------------------------------------------- */
+int64_t mgi_clock_ns(int clock_id);
+/* pread from offset 0 into buf (cap-1 bytes at most), NUL-terminate. */
+int mgi_pread_file(int fd, char *buf, size_t cap, size_t *len);
+/* Read a whole small file by path into buf; 0 or errno. */
+int mgi_read_path(const char *path, char *buf, size_t cap, size_t *len);
+/* snprintf that reports truncation as ENAMETOOLONG. */
+int mgi_join(char *out, size_t cap, const char *a, const char *b, const char *c);
+
+/* ---- options (options.c) ------------------------------------------------ */
+typedef enum mgi_opt_id {
+    MGI_OPT_INTERVAL_MS, MGI_OPT_RING_SIZE, MGI_OPT_PROC_ROOT, MGI_OPT_CGROUP_ROOT,
+    MGI_OPT_BUDGET,
+    MGI_OPT_BUDGET_ELEVATED, MGI_OPT_BUDGET_HIGH, MGI_OPT_BUDGET_CRITICAL,
+    MGI_OPT_HEADROOM_ELEVATED, MGI_OPT_HEADROOM_HIGH, MGI_OPT_HEADROOM_CRITICAL,
+    MGI_OPT_PSI_ELEVATED, MGI_OPT_PSI_HIGH, MGI_OPT_PSI_CRITICAL,
+    MGI_OPT_SWAP_IN_ELEVATED, MGI_OPT_SWAP_IN_HIGH, MGI_OPT_SWAP_IN_CRITICAL,
+    MGI_OPT_MAJFLT_ELEVATED, MGI_OPT_MAJFLT_HIGH, MGI_OPT_MAJFLT_CRITICAL,
+    MGI_OPT_CALM_SAMPLES, MGI_OPT_SLOW_INTERVAL_MS,
+    MGI_OPT_COUNT
+} mgi_opt_id_t;
+
+double mgi_option_double(mgi_opt_id_t id);
+void mgi_options_atfork_child(void);
+long mgi_option_long(mgi_opt_id_t id);
+/* Copy a text option (roots, budget) into buf. */
+void mgi_option_text(mgi_opt_id_t id, char *buf, size_t cap);
+
+#endif /* MEMGUARD_MGI_H */

@@ -1,0 +1,140 @@
+/* The pressure model: each sample's signals map to a raw level; the level
+ * rises at once and falls only after calm_samples samples below it, so one
+ * quiet reading in a storm does not undo a shrink. Pure: no I/O, no clock. */
+#include <errno.h>
+#include <math.h>
+
+#include "mgi.h"
+
+void mg_pressure_opts_default(mg_pressure_opts_t *o)
+{
+    for (int i = 0; i < 3; i++) {
+        o->budget[i] = mgi_option_double(MGI_OPT_BUDGET_ELEVATED + i);
+        o->headroom[i] = mgi_option_double(MGI_OPT_HEADROOM_ELEVATED + i);
+        o->psi[i] = mgi_option_double(MGI_OPT_PSI_ELEVATED + i);
+        o->swap_in[i] = mgi_option_double(MGI_OPT_SWAP_IN_ELEVATED + i);
+        o->major_faults[i] = mgi_option_double(MGI_OPT_MAJFLT_ELEVATED + i);
+    }
+    o->calm_samples = (uint32_t)mgi_option_long(MGI_OPT_CALM_SAMPLES);
+}
+
+static int ascending(const double t[3])
+{
+    return t[0] >= 0 && t[0] <= t[1] && t[1] <= t[2];
+}
+
+int mg_pressure_opts_check(const mg_pressure_opts_t *o)
+{
+    if (!ascending(o->budget) || !ascending(o->psi) || !ascending(o->swap_in) ||
+        !ascending(o->major_faults) || o->calm_samples < 1)
+        return EINVAL;
+    if (!(o->headroom[0] >= o->headroom[1] && o->headroom[1] >= o->headroom[2] &&
+          o->headroom[2] >= 0 && o->headroom[0] <= 1))
+        return EINVAL;
+    return 0;
+}
+
+int mg_pressure_init(mg_pressure_t *p, const mg_pressure_opts_t *opts)
+{
+    if (mg_pressure_opts_check(opts))
+        return EINVAL;
+    p->opts = *opts;
+    p->level = MG_LEVEL_OK;
+    p->calm = 0;
+    p->calm_max = MG_LEVEL_OK;
+    return 0;
+}
+
+/* Level of a signal that is worse when higher; NaN (absent) is OK. */
+static int above(double v, const double t[3])
+{
+    if (isnan(v))
+        return MG_LEVEL_OK;
+    return v >= t[2] ? MG_LEVEL_CRITICAL : v >= t[1] ? MG_LEVEL_HIGH
+                                         : v >= t[0] ? MG_LEVEL_ELEVATED
+                                                     : MG_LEVEL_OK;
+}
+
+/* Level of a signal that is worse when lower (headroom). */
+static int below(double v, const double t[3])
+{
+    if (isnan(v))
+        return MG_LEVEL_OK;
+    return v <= t[2] ? MG_LEVEL_CRITICAL : v <= t[1] ? MG_LEVEL_HIGH
+                                         : v <= t[0] ? MG_LEVEL_ELEVATED
+                                                     : MG_LEVEL_OK;
+}
+
+static void consider(int level, uint32_t reason, int *raw, uint32_t *reasons)
+{
+    if (level > *raw) {
+        *raw = level;
+        *reasons = reason;
+    } else if (level == *raw && level > MG_LEVEL_OK) {
+        *reasons |= reason;
+    }
+}
+
+static double max_known(double a, double b)
+{
+    if (isnan(a))
+        return b;
+    if (isnan(b))
+        return a;
+    return a > b ? a : b;
+}
+
+int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
+{
+    const mg_pressure_opts_t *o = &p->opts;
+    int raw = MG_LEVEL_OK;
+    uint32_t reasons = 0;
+
+    if (s->budget_bytes && (s->have & MG_HAVE_STATUS)) {
+        s->have |= MG_HAVE_BUDGET;
+        s->budget_used_fraction = (double)s->rss_bytes / (double)s->budget_bytes;
+        consider(above(s->budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw, &reasons);
+    }
+
+    double head = NAN;
+    if ((s->have & MG_HAVE_MEMAVAIL) && s->mem_total_bytes)
+        head = (double)s->mem_available_bytes / (double)s->mem_total_bytes;
+    if ((s->have & MG_HAVE_CGROUP_LIMIT) && s->cgroup_limit_bytes) {
+        uint64_t used = (s->have & MG_HAVE_CGROUP_WS) ? s->cgroup_working_set_bytes
+                                                      : s->cgroup_usage_bytes;
+        double cg = used >= s->cgroup_limit_bytes
+                        ? 0.0
+                        : (double)(s->cgroup_limit_bytes - used) / (double)s->cgroup_limit_bytes;
+        head = isnan(head) || cg < head ? cg : head;
+    }
+    if (!isnan(head)) {
+        s->have |= MG_HAVE_HEADROOM;
+        s->headroom_fraction = head;
+        consider(below(head, o->headroom), MG_REASON_HEADROOM, &raw, &reasons);
+    }
+
+    consider(above(max_known(s->psi_some_stall, s->cgroup_psi_some_stall), o->psi),
+             MG_REASON_PSI, &raw, &reasons);
+    consider(above(s->swap_in_pages_per_s, o->swap_in), MG_REASON_SWAP, &raw, &reasons);
+    consider(above(s->major_faults_per_s, o->major_faults), MG_REASON_FAULTS, &raw, &reasons);
+
+    s->raw_level = raw;
+    s->reasons = reasons;
+
+    int before = p->level;
+    if (raw >= p->level) {
+        p->level = raw;
+        p->calm = 0;
+        p->calm_max = MG_LEVEL_OK;
+    } else {
+        if (raw > p->calm_max)
+            p->calm_max = raw;
+        if (++p->calm >= o->calm_samples) {
+            p->level = p->calm_max;
+            p->calm = 0;
+            p->calm_max = MG_LEVEL_OK;
+        }
+    }
+    s->level = p->level;
+    return p->level != before;
+}

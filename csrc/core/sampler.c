@@ -1,0 +1,444 @@
+/* The telemetry sampler: a background thread that reads every source at a
+ * fixed interval into a ring of samples, runs the pressure model, and
+ * signals level changes on an eventfd. Its loop neither allocates nor calls
+ * Python; it is created with all signals blocked, and pthread_atfork
+ * handlers leave a forked child with a stopped, restartable sampler. */
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "mgi.h"
+
+struct mg_sampler {
+    /* Immutable after create. */
+    int64_t interval_ns;
+    uint32_t ring_size;
+    char proc_root[MGI_PATH_MAX];
+    char cgroup_root[MGI_PATH_MAX];
+    mg_pressure_opts_t popts;
+
+    /* op_lock guards running, thread and the eventfd lifecycle. While the
+     * thread runs it alone touches src, prev, have_prev and pressure; when
+     * it does not, they belong to whoever holds op_lock. */
+    pthread_mutex_t op_lock;
+    int running;
+    pthread_t thread;
+    int stop_fd, level_fd, sample_fd, wake_fd; /* eventfds, -1 when closed */
+    mgi_sources_t src;
+    int src_open;
+    mg_sample_t prev;
+    int have_prev;
+    mg_pressure_t pressure;
+
+    _Atomic uint64_t budget_bytes;
+    _Atomic int notify;              /* write sample_fd after each sample */
+    clockid_t cpu_clock;             /* the running thread's CPU clock (op_lock) */
+    _Atomic uint64_t cpu_ns_before;  /* thread CPU time of finished runs */
+
+    /* ring_lock guards ring and seq (the seq of the newest sample). */
+    pthread_mutex_t ring_lock;
+    mg_sample_t *ring;
+    uint64_t seq;
+
+    struct mg_sampler *next; /* registry link, guarded by reg_lock */
+};
+
+/* Every live sampler, for the fork handlers. */
+static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER; /* guards reg_head */
+static mg_sampler_t *reg_head;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void)
+{
+    pthread_mutex_lock(&reg_lock);
+    for (mg_sampler_t *s = reg_head; s; s = s->next) {
+        pthread_mutex_lock(&s->op_lock);
+        pthread_mutex_lock(&s->ring_lock);
+    }
+}
+
+static void fork_parent(void)
+{
+    for (mg_sampler_t *s = reg_head; s; s = s->next) {
+        pthread_mutex_unlock(&s->ring_lock);
+        pthread_mutex_unlock(&s->op_lock);
+    }
+    pthread_mutex_unlock(&reg_lock);
+}
+
+static void close_fd(int *fd)
+{
+    if (*fd >= 0)
+        close(*fd);
+    *fd = -1;
+}
+
+/* The child has only the forking thread: every sampler thread is gone, the
+ * descriptors on /proc/self name the parent, and the eventfds are shared
+ * with it. Forget all of them; start() makes new ones. */
+static void fork_child(void)
+{
+    mgi_options_atfork_child();
+    for (mg_sampler_t *s = reg_head; s; s = s->next) {
+        pthread_mutex_init(&s->ring_lock, NULL);
+        pthread_mutex_init(&s->op_lock, NULL);
+        s->running = 0; /* the thread's CPU time died with it */
+        mgi_sources_forget(&s->src);
+        s->src_open = 0;
+        s->have_prev = 0;
+        close_fd(&s->stop_fd);
+        close_fd(&s->level_fd);
+        close_fd(&s->sample_fd);
+        close_fd(&s->wake_fd);
+    }
+    pthread_mutex_init(&reg_lock, NULL);
+}
+
+static void register_atfork(void)
+{
+    pthread_atfork(fork_prepare, fork_parent, fork_child);
+}
+
+static int open_eventfds(mg_sampler_t *s)
+{
+    int *fds[] = {&s->stop_fd, &s->level_fd, &s->sample_fd, &s->wake_fd};
+    for (size_t i = 0; i < 4; i++) {
+        if (*fds[i] >= 0)
+            continue;
+        *fds[i] = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+        if (*fds[i] < 0)
+            return errno;
+    }
+    return 0;
+}
+
+static void signal_fd(int fd)
+{
+    if (fd >= 0) {
+        uint64_t one = 1;
+        ssize_t n = write(fd, &one, sizeof(one));
+        (void)n; /* EAGAIN only when the counter is saturated: already signalled */
+    }
+}
+
+static int drain_fd(int fd)
+{
+    uint64_t v;
+    return fd >= 0 && read(fd, &v, sizeof(v)) == (ssize_t)sizeof(v);
+}
+
+int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
+{
+    mg_sampler_config_t c = {0};
+    char proc_root[MGI_PATH_MAX], cgroup_root[MGI_PATH_MAX];
+    if (cfg)
+        c = *cfg;
+    if (c.interval_us == 0)
+        c.interval_us = (uint32_t)(mgi_option_double(MGI_OPT_INTERVAL_MS) * 1000);
+    if (c.ring_size == 0)
+        c.ring_size = (uint32_t)mgi_option_long(MGI_OPT_RING_SIZE);
+    if (!c.proc_root) {
+        mgi_option_text(MGI_OPT_PROC_ROOT, proc_root, sizeof(proc_root));
+        c.proc_root = proc_root;
+    }
+    if (!c.cgroup_root) {
+        mgi_option_text(MGI_OPT_CGROUP_ROOT, cgroup_root, sizeof(cgroup_root));
+        c.cgroup_root = cgroup_root;
+    }
+    if (c.interval_us < 5000 || c.interval_us > 60000000 || c.ring_size < 2)
+        return EINVAL;
+
+    mg_sampler_t *s = calloc(1, sizeof(*s));
+    if (!s)
+        return ENOMEM;
+    s->ring = calloc(c.ring_size, sizeof(mg_sample_t));
+    if (!s->ring) {
+        free(s);
+        return ENOMEM;
+    }
+    s->interval_ns = (int64_t)c.interval_us * 1000;
+    s->ring_size = c.ring_size;
+    if (mgi_join(s->proc_root, sizeof(s->proc_root), c.proc_root, NULL, NULL) ||
+        mgi_join(s->cgroup_root, sizeof(s->cgroup_root), c.cgroup_root, NULL, NULL)) {
+        free(s->ring);
+        free(s);
+        return EINVAL;
+    }
+    if (c.pressure)
+        s->popts = *c.pressure;
+    else
+        mg_pressure_opts_default(&s->popts);
+    if (mg_pressure_init(&s->pressure, &s->popts)) {
+        free(s->ring);
+        free(s);
+        return EINVAL;
+    }
+    atomic_init(&s->budget_bytes, c.budget_bytes);
+    atomic_init(&s->notify, 0);
+    atomic_init(&s->cpu_ns_before, 0);
+    pthread_mutex_init(&s->op_lock, NULL);
+    pthread_mutex_init(&s->ring_lock, NULL);
+    for (int i = 0; i < MGI_SRC_COUNT; i++)
+        s->src.fd[i] = -1;
+    s->stop_fd = s->level_fd = s->sample_fd = s->wake_fd = -1;
+    int rc = open_eventfds(s);
+    if (rc) {
+        close_fd(&s->stop_fd);
+        close_fd(&s->level_fd);
+        close_fd(&s->sample_fd);
+        close_fd(&s->wake_fd);
+        free(s->ring);
+        free(s);
+        return rc;
+    }
+
+    pthread_once(&atfork_once, register_atfork);
+    pthread_mutex_lock(&reg_lock);
+    s->next = reg_head;
+    reg_head = s;
+    pthread_mutex_unlock(&reg_lock);
+    *out = s;
+    return 0;
+}
+
+/* Read, derive, judge and publish one sample. Runs on the sampler thread or,
+ * when it is not running, on a caller holding op_lock. */
+static void take_sample(mg_sampler_t *s, mg_sample_t *out)
+{
+    mg_sample_t cur;
+    mgi_sample_init(&cur);
+    cur.mono_ns = mgi_clock_ns(CLOCK_MONOTONIC);
+    cur.t_ns = mgi_clock_ns(CLOCK_REALTIME);
+    mgi_sources_read(&s->src, &cur, s->pressure.level >= MG_LEVEL_ELEVATED);
+    if (s->have_prev)
+        mgi_sample_deltas(&s->prev, &cur);
+    cur.budget_bytes = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed);
+    int changed = mg_pressure_update(&s->pressure, &cur);
+    cur.cost_ns = mgi_clock_ns(CLOCK_MONOTONIC) - cur.mono_ns;
+
+    pthread_mutex_lock(&s->ring_lock);
+    cur.seq = ++s->seq;
+    s->ring[(cur.seq - 1) % s->ring_size] = cur;
+    pthread_mutex_unlock(&s->ring_lock);
+
+    s->prev = cur;
+    s->have_prev = 1;
+    if (out)
+        *out = cur;
+    if (changed)
+        signal_fd(s->level_fd);
+    if (atomic_load_explicit(&s->notify, memory_order_relaxed))
+        signal_fd(s->sample_fd);
+}
+
+static void *sampler_main(void *arg)
+{
+    mg_sampler_t *s = arg;
+    int64_t next = mgi_clock_ns(CLOCK_MONOTONIC);
+    struct pollfd pfd = {.fd = s->stop_fd, .events = POLLIN};
+    for (;;) {
+        take_sample(s, NULL);
+        int64_t now = mgi_clock_ns(CLOCK_MONOTONIC);
+        next += s->interval_ns;
+        if (next <= now) /* fell behind (suspend, overload): skip, don't burst */
+            next = now + s->interval_ns - (now - next) % s->interval_ns;
+        int64_t wait = next - now;
+        struct timespec ts = {.tv_sec = wait / 1000000000, .tv_nsec = wait % 1000000000};
+        int n = ppoll(&pfd, 1, &ts, NULL);
+        if (n > 0)
+            break; /* stop requested */
+    }
+    /* the thread's CPU clock dies with it: bank this run's time */
+    atomic_fetch_add(&s->cpu_ns_before, (uint64_t)mgi_clock_ns(CLOCK_THREAD_CPUTIME_ID));
+    return NULL;
+}
+
+int mg_sampler_start(mg_sampler_t *s)
+{
+    int rc = 0;
+    pthread_mutex_lock(&s->op_lock);
+    if (s->running) {
+        rc = EALREADY;
+        goto out;
+    }
+    if ((rc = open_eventfds(s)) != 0)
+        goto out;
+    if (!s->src_open) {
+        if ((rc = mgi_sources_open(&s->src, s->proc_root, s->cgroup_root)) != 0)
+            goto out;
+        s->src_open = 1;
+    }
+    drain_fd(s->stop_fd);
+
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    rc = pthread_create(&s->thread, NULL, sampler_main, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc == 0) {
+        s->running = 1;
+        if (pthread_getcpuclockid(s->thread, &s->cpu_clock) != 0)
+            s->cpu_clock = (clockid_t)-1;
+    }
+out:
+    pthread_mutex_unlock(&s->op_lock);
+    return rc;
+}
+
+int mg_sampler_stop(mg_sampler_t *s)
+{
+    pthread_mutex_lock(&s->op_lock);
+    if (s->running) {
+        signal_fd(s->stop_fd);
+        pthread_join(s->thread, NULL);
+        drain_fd(s->stop_fd);
+        s->running = 0;
+    }
+    pthread_mutex_unlock(&s->op_lock);
+    return 0;
+}
+
+int mg_sampler_running(const mg_sampler_t *s)
+{
+    mg_sampler_t *m = (mg_sampler_t *)s;
+    pthread_mutex_lock(&m->op_lock);
+    int r = m->running;
+    pthread_mutex_unlock(&m->op_lock);
+    return r;
+}
+
+int mg_sampler_sample_now(mg_sampler_t *s, mg_sample_t *out)
+{
+    int rc = 0;
+    pthread_mutex_lock(&s->op_lock);
+    if (s->running) {
+        rc = EBUSY;
+    } else {
+        if (!s->src_open) {
+            rc = mgi_sources_open(&s->src, s->proc_root, s->cgroup_root);
+            s->src_open = rc == 0;
+        }
+        if (rc == 0)
+            take_sample(s, out);
+    }
+    pthread_mutex_unlock(&s->op_lock);
+    return rc;
+}
+
+int mg_sampler_latest(mg_sampler_t *s, mg_sample_t *out)
+{
+    int rc = ENOENT;
+    pthread_mutex_lock(&s->ring_lock);
+    if (s->seq) {
+        *out = s->ring[(s->seq - 1) % s->ring_size];
+        rc = 0;
+    }
+    pthread_mutex_unlock(&s->ring_lock);
+    return rc;
+}
+
+int mg_sampler_since(mg_sampler_t *s, uint64_t after_seq, mg_sample_t *out, size_t cap,
+                     size_t *n, uint64_t *dropped)
+{
+    size_t k = 0;
+    uint64_t lost = 0;
+    pthread_mutex_lock(&s->ring_lock);
+    uint64_t newest = s->seq;
+    uint64_t oldest = newest > s->ring_size ? newest - s->ring_size + 1 : 1;
+    uint64_t first = after_seq + 1;
+    if (first < oldest) {
+        lost = oldest - first;
+        first = oldest;
+    }
+    for (uint64_t q = first; q <= newest && k < cap; q++)
+        out[k++] = s->ring[(q - 1) % s->ring_size];
+    pthread_mutex_unlock(&s->ring_lock);
+    *n = k;
+    if (dropped)
+        *dropped = lost;
+    return 0;
+}
+
+void mg_sampler_notify_samples(mg_sampler_t *s, int on)
+{
+    atomic_store(&s->notify, on ? 1 : 0);
+}
+
+int mg_sampler_wait(mg_sampler_t *s, int timeout_ms, int *wake)
+{
+    struct pollfd p[3] = {
+        {.fd = s->level_fd, .events = POLLIN},
+        {.fd = s->sample_fd, .events = POLLIN},
+        {.fd = s->wake_fd, .events = POLLIN},
+    };
+    *wake = 0;
+    int n = poll(p, 3, timeout_ms);
+    if (n < 0)
+        return errno == EINTR ? 0 : errno;
+    if ((p[0].revents & POLLIN) && drain_fd(s->level_fd))
+        *wake |= MG_WAKE_LEVEL;
+    if ((p[1].revents & POLLIN) && drain_fd(s->sample_fd))
+        *wake |= MG_WAKE_SAMPLE;
+    if ((p[2].revents & POLLIN) && drain_fd(s->wake_fd))
+        *wake |= MG_WAKE_USER;
+    return 0;
+}
+
+int mg_sampler_wake(mg_sampler_t *s)
+{
+    signal_fd(s->wake_fd);
+    return 0;
+}
+
+int mg_sampler_level_fd(const mg_sampler_t *s)
+{
+    return s->level_fd;
+}
+
+int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out)
+{
+    mg_sampler_t *m = (mg_sampler_t *)s;
+    uint64_t now = 0;
+    pthread_mutex_lock(&m->op_lock);
+    if (m->running && m->cpu_clock != (clockid_t)-1)
+        now = (uint64_t)mgi_clock_ns(m->cpu_clock);
+    *out = atomic_load(&m->cpu_ns_before) + now;
+    pthread_mutex_unlock(&m->op_lock);
+    return 0;
+}
+
+void mg_sampler_set_budget(mg_sampler_t *s, uint64_t budget_bytes)
+{
+    atomic_store(&s->budget_bytes, budget_bytes);
+}
+
+void mg_sampler_destroy(mg_sampler_t *s)
+{
+    if (!s)
+        return;
+    mg_sampler_stop(s);
+    pthread_mutex_lock(&reg_lock);
+    for (mg_sampler_t **pp = &reg_head; *pp; pp = &(*pp)->next) {
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&reg_lock);
+    mgi_sources_close(&s->src);
+    close_fd(&s->stop_fd);
+    close_fd(&s->level_fd);
+    close_fd(&s->sample_fd);
+    close_fd(&s->wake_fd);
+    pthread_mutex_destroy(&s->op_lock);
+    pthread_mutex_destroy(&s->ring_lock);
+    free(s->ring);
+    free(s);
+}

@@ -1,0 +1,96 @@
+/* memguard._C: the method table and module setup. The work lives in the
+ * files beside this one, by subject. */
+#include "mgpy.h"
+
+mgpy_state_t *mgpy_state(PyObject *module)
+{
+    return (mgpy_state_t *)PyModule_GetState(module);
+}
+
+static PyObject *sample_fields(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return mgpy_sample_fields();
+}
+
+static PyMethodDef methods[] = {
+    {"parse", (PyCFunction)(void (*)(void))mgpy_parse, METH_VARARGS | METH_KEYWORDS,
+     "parse(kind, data, version=2) -> dict: run one pure /proc or cgroup parser."},
+    {"parse_size", mgpy_parse_size, METH_O, "parse_size(text) -> bytes"},
+    {"parse_budget", (PyCFunction)(void (*)(void))mgpy_parse_budget,
+     METH_VARARGS | METH_KEYWORDS, "parse_budget(text, total, available=0) -> bytes"},
+    {"option_get", mgpy_option_get, METH_O, "option_get(name) -> text"},
+    {"option_set", mgpy_option_set, METH_VARARGS, "option_set(name, value)"},
+    {"option_names", mgpy_option_names, METH_NOARGS, "Names of all options."},
+    {"option_warnings", mgpy_option_warnings, METH_NOARGS,
+     "Warnings about bad MEMGUARD_* values, each returned once."},
+    {"sample_fields", sample_fields, METH_NOARGS, "Field names of a sample dict."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int exec_module(PyObject *m)
+{
+    mgpy_state_t *st = mgpy_state(m);
+    st->sampler_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mgpy_sampler_spec, NULL);
+    if (!st->sampler_type || PyModule_AddType(m, st->sampler_type))
+        return -1;
+    st->pressure_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mgpy_pressure_spec, NULL);
+    if (!st->pressure_type || PyModule_AddType(m, st->pressure_type))
+        return -1;
+    if (PyModule_AddIntConstant(m, "SAMPLE_VERSION", MG_SAMPLE_VERSION) ||
+        PyModule_AddIntConstant(m, "WAKE_LEVEL", MG_WAKE_LEVEL) ||
+        PyModule_AddIntConstant(m, "WAKE_SAMPLE", MG_WAKE_SAMPLE) ||
+        PyModule_AddIntConstant(m, "WAKE_USER", MG_WAKE_USER))
+        return -1;
+    return 0;
+}
+
+static int traverse(PyObject *m, visitproc visit, void *arg)
+{
+    mgpy_state_t *st = mgpy_state(m);
+    Py_VISIT(st->sampler_type);
+    Py_VISIT(st->pressure_type);
+    return 0;
+}
+
+static int clear(PyObject *m)
+{
+    mgpy_state_t *st = mgpy_state(m);
+    Py_CLEAR(st->sampler_type);
+    Py_CLEAR(st->pressure_type);
+    return 0;
+}
+
+static void free_module(void *m)
+{
+    clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+#ifdef Py_mod_multiple_interpreters
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
+#endif
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
+#endif
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "memguard._C",
+    .m_doc = "memguard's C core: telemetry sampler, pressure model, parsers, options.",
+    .m_size = sizeof(mgpy_state_t),
+    .m_methods = methods,
+    .m_slots = slots,
+    .m_traverse = traverse,
+    .m_clear = clear,
+    .m_free = free_module,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

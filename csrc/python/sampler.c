@@ -1,0 +1,273 @@
+/* memguard._C.Sampler: the C sampler behind a Python object. Every call
+ * that may block (start, stop, sample_now, wait) releases the GIL; nothing
+ * here calls back into Python from the sampler thread. */
+#include <errno.h>
+
+#include "mgpy.h"
+
+typedef struct {
+    PyObject_HEAD
+    mg_sampler_t *s;
+} SamplerObject;
+
+static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"interval_ms", "ring_size", "budget_bytes", "proc_root",
+                             "cgroup_root", "pressure", NULL};
+    double interval_ms = 0;
+    unsigned int ring_size = 0;
+    unsigned long long budget = 0;
+    const char *proc_root = NULL, *cgroup_root = NULL;
+    PyObject *pressure = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|dIKzzO", kwlist, &interval_ms, &ring_size,
+                                     &budget, &proc_root, &cgroup_root, &pressure))
+        return -1;
+    if (self->s) {
+        PyErr_SetString(PyExc_RuntimeError, "Sampler already initialised");
+        return -1;
+    }
+    if (interval_ms != 0 && (interval_ms < 5 || interval_ms > 60000)) {
+        PyErr_Format(PyExc_ValueError, "interval_ms must lie in [5, 60000], got %R",
+                     PyTuple_Size(args) ? PyTuple_GET_ITEM(args, 0) : PyDict_GetItemString(kw, "interval_ms"));
+        return -1;
+    }
+    if (ring_size == 1) {
+        PyErr_SetString(PyExc_ValueError, "ring_size must be at least 2");
+        return -1;
+    }
+    mg_pressure_opts_t popts;
+    if (mgpy_pressure_opts(pressure, &popts))
+        return -1;
+    mg_sampler_config_t cfg = {
+        .interval_us = (uint32_t)(interval_ms * 1000),
+        .ring_size = ring_size,
+        .budget_bytes = budget,
+        .proc_root = proc_root,
+        .cgroup_root = cgroup_root,
+        .pressure = &popts,
+    };
+    int rc = mg_sampler_create(&cfg, &self->s);
+    if (rc) {
+        mgpy_raise(rc, "cannot create the sampler (interval, ring size or roots invalid)");
+        return -1;
+    }
+    return 0;
+}
+
+static void Sampler_dealloc(SamplerObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    if (self->s) {
+        mg_sampler_t *s = self->s;
+        self->s = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        mg_sampler_destroy(s);
+        Py_END_ALLOW_THREADS
+    }
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int ready(SamplerObject *self)
+{
+    if (!self->s) {
+        PyErr_SetString(PyExc_RuntimeError, "Sampler not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Sampler_start(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    int rc;
+    if (!ready(self))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mg_sampler_start(self->s);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return mgpy_raise(rc, "cannot start the sampler");
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sampler_stop(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!ready(self))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mg_sampler_stop(self->s);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sampler_running(SamplerObject *self, void *closure)
+{
+    (void)closure;
+    if (!ready(self))
+        return NULL;
+    return PyBool_FromLong(mg_sampler_running(self->s));
+}
+
+static PyObject *Sampler_sample_now(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    mg_sample_t s;
+    int rc;
+    if (!ready(self))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mg_sampler_sample_now(self->s, &s);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return mgpy_raise(rc, "cannot sample now (the sampler thread is running)");
+    return mgpy_sample_to_dict(&s);
+}
+
+static PyObject *Sampler_latest(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    mg_sample_t s;
+    if (!ready(self))
+        return NULL;
+    if (mg_sampler_latest(self->s, &s) == ENOENT)
+        Py_RETURN_NONE;
+    return mgpy_sample_to_dict(&s);
+}
+
+/* since(after_seq, limit=4096) -> (list of dicts, dropped) */
+static PyObject *Sampler_since(SamplerObject *self, PyObject *args)
+{
+    unsigned long long after;
+    Py_ssize_t limit = 4096;
+    if (!ready(self) || !PyArg_ParseTuple(args, "K|n", &after, &limit))
+        return NULL;
+    if (limit < 1)
+        return PyList_New(0);
+    mg_sample_t *buf = PyMem_Malloc((size_t)limit * sizeof(mg_sample_t));
+    if (!buf)
+        return PyErr_NoMemory();
+    size_t n;
+    uint64_t dropped;
+    mg_sampler_since(self->s, after, buf, (size_t)limit, &n, &dropped);
+    PyObject *l = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; l && i < n; i++) {
+        PyObject *d = mgpy_sample_to_dict(&buf[i]);
+        if (!d) {
+            Py_CLEAR(l);
+            break;
+        }
+        PyList_SET_ITEM(l, (Py_ssize_t)i, d);
+    }
+    PyMem_Free(buf);
+    if (!l)
+        return NULL;
+    return Py_BuildValue("(NK)", l, (unsigned long long)dropped);
+}
+
+/* wait(timeout_s) -> MG_WAKE_* bits (0 on timeout); GIL released. */
+static PyObject *Sampler_wait(SamplerObject *self, PyObject *arg)
+{
+    double timeout = PyFloat_AsDouble(arg);
+    int wake = 0, rc;
+    if (timeout == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (!ready(self))
+        return NULL;
+    int ms = timeout < 0 ? -1 : (int)(timeout * 1000);
+    Py_BEGIN_ALLOW_THREADS
+    rc = mg_sampler_wait(self->s, ms, &wake);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return mgpy_raise(rc, "sampler wait failed");
+    return PyLong_FromLong(wake);
+}
+
+static PyObject *Sampler_wake(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!ready(self))
+        return NULL;
+    mg_sampler_wake(self->s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sampler_notify_samples(SamplerObject *self, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0 || !ready(self))
+        return NULL;
+    mg_sampler_notify_samples(self->s, on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sampler_cpu_ns(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    uint64_t v;
+    if (!ready(self))
+        return NULL;
+    mg_sampler_cpu_ns(self->s, &v);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyObject *Sampler_set_budget(SamplerObject *self, PyObject *arg)
+{
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!ready(self))
+        return NULL;
+    mg_sampler_set_budget(self->s, b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Sampler_level_fd(SamplerObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!ready(self))
+        return NULL;
+    return PyLong_FromLong(mg_sampler_level_fd(self->s));
+}
+
+static PyMethodDef Sampler_methods[] = {
+    {"start", (PyCFunction)Sampler_start, METH_NOARGS, "Start the sampling thread."},
+    {"stop", (PyCFunction)Sampler_stop, METH_NOARGS, "Stop and join the sampling thread."},
+    {"sample_now", (PyCFunction)Sampler_sample_now, METH_NOARGS,
+     "Take one sample on this thread (not while running)."},
+    {"latest", (PyCFunction)Sampler_latest, METH_NOARGS, "Newest sample or None."},
+    {"since", (PyCFunction)Sampler_since, METH_VARARGS,
+     "since(after_seq, limit=4096) -> (samples, dropped)"},
+    {"wait", (PyCFunction)Sampler_wait, METH_O,
+     "wait(timeout_s) -> wake bits; 1 level change, 2 sample, 4 wake()"},
+    {"wake", (PyCFunction)Sampler_wake, METH_NOARGS, "Interrupt one wait()."},
+    {"notify_samples", (PyCFunction)Sampler_notify_samples, METH_O,
+     "Wake wait() after every sample (True) or on level changes only."},
+    {"cpu_ns", (PyCFunction)Sampler_cpu_ns, METH_NOARGS, "CPU time of the sampling thread."},
+    {"set_budget", (PyCFunction)Sampler_set_budget, METH_O, "Budget in bytes (0: none)."},
+    {"level_fd", (PyCFunction)Sampler_level_fd, METH_NOARGS, "The level-change eventfd."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Sampler_getset[] = {
+    {"running", (getter)Sampler_running, NULL, "Whether the thread runs.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot Sampler_slots[] = {
+    {Py_tp_init, Sampler_init},
+    {Py_tp_dealloc, Sampler_dealloc},
+    {Py_tp_methods, Sampler_methods},
+    {Py_tp_getset, Sampler_getset},
+    {Py_tp_doc, "Sampler(interval_ms=0, ring_size=0, budget_bytes=0, proc_root=None, "
+                "cgroup_root=None, pressure=None): the C telemetry sampler."},
+    {0, NULL},
+};
+
+PyType_Spec mgpy_sampler_spec = {
+    .name = "memguard._C.Sampler",
+    .basicsize = sizeof(SamplerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Sampler_slots,
+};

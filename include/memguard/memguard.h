@@ -1,0 +1,171 @@
+/**
+ * @file memguard.h
+ * @brief memguard's public C API: telemetry sampler, pressure model, options.
+ *
+ * Functions return 0 on success or an errno value (ENOENT, EINVAL, EBUSY,
+ * ENOMEM, EBADMSG for a malformed input) and write results through
+ * out-parameters. Struct layouts other than the versioned sample
+ * (memguard-sample.h) stay internal.
+ */
+#ifndef MEMGUARD_H
+#define MEMGUARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "memguard-sample.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(MG_BUILDING) && defined(__GNUC__)
+#define MG_API __attribute__((visibility("default")))
+#else
+#define MG_API
+#endif
+
+/** Pressure levels, ordered. */
+typedef enum mg_level {
+    MG_LEVEL_OK = 0,
+    MG_LEVEL_ELEVATED = 1,
+    MG_LEVEL_HIGH = 2,
+    MG_LEVEL_CRITICAL = 3,
+} mg_level_t;
+
+/** Bits of mg_sample_t.reasons: which signals set the raw level. */
+enum {
+    MG_REASON_BUDGET = 1u << 0,   /**< process memory against the budget */
+    MG_REASON_HEADROOM = 1u << 1, /**< MemAvailable or cgroup headroom */
+    MG_REASON_PSI = 1u << 2,      /**< PSI memory stall time */
+    MG_REASON_SWAP = 1u << 3,     /**< swap-in rate */
+    MG_REASON_FAULTS = 1u << 4,   /**< major page-fault rate */
+};
+
+/* ---- sizes and budgets -------------------------------------------------- */
+
+/**
+ * Parse a byte size: a plain integer, or a number with a unit among
+ * B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (case-insensitive). Decimal
+ * units (KB, MB, ...) are powers of 1000, binary ones (K, KiB, ...) of 1024.
+ * @return 0, EINVAL for text that is not a size, ERANGE on overflow.
+ */
+MG_API int mg_parse_size(const char *text, uint64_t *out);
+
+/**
+ * Parse a budget: "auto", a size (see mg_parse_size) or a percentage
+ * ("75%") of @p total. "auto" is 90 % of min(@p total, @p available) where
+ * @p available is nonzero, else 90 % of @p total.
+ * @return 0, EINVAL for a malformed or zero budget, ERANGE for a percentage
+ *         outside (0, 100] or an overflowing size.
+ */
+MG_API int mg_parse_budget(const char *text, uint64_t total, uint64_t available,
+                           uint64_t *out);
+
+/* ---- pressure model ----------------------------------------------------- */
+
+/** Thresholds of the pressure model; one value per level above OK. */
+typedef struct mg_pressure_opts {
+    double budget[3];    /**< used fraction of the budget (=.80 .90 .97) */
+    double headroom[3];  /**< free fraction of memory, below which (=.15 .08 .03) */
+    double psi[3];       /**< stall fraction of the interval (=.05 .15 .40) */
+    double swap_in[3];   /**< swap-in pages per second (=256 2560 25600) */
+    double major_faults[3]; /**< major faults per second (=500 5000 50000) */
+    uint32_t calm_samples;  /**< calm samples before stepping down (=10) */
+} mg_pressure_opts_t;
+
+/** Pressure model state; plain data, one per sampler. */
+typedef struct mg_pressure {
+    mg_pressure_opts_t opts;
+    int level;          /* current level, after hysteresis */
+    uint32_t calm;      /* consecutive samples whose raw level was below level */
+    int calm_max;       /* highest raw level among those calm samples */
+} mg_pressure_t;
+
+/** Fill @p opts from the option table (defaults or MEMGUARD_* values). */
+MG_API void mg_pressure_opts_default(mg_pressure_opts_t *opts);
+
+/** Check thresholds: each row ascending (headroom descending), calm >= 1. */
+MG_API int mg_pressure_opts_check(const mg_pressure_opts_t *opts);
+
+/** Reset @p p to level OK with @p opts. @return EINVAL for bad thresholds. */
+MG_API int mg_pressure_init(mg_pressure_t *p, const mg_pressure_opts_t *opts);
+
+/**
+ * Feed one sample: sets s->raw_level, s->reasons, s->level,
+ * s->budget_used_fraction and s->headroom_fraction. Pure; no I/O.
+ * @return 1 when the level changed, else 0.
+ */
+MG_API int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s);
+
+/* ---- sampler ------------------------------------------------------------ */
+
+typedef struct mg_sampler mg_sampler_t;
+
+/** Sampler configuration. Zero fields take the option table's values. */
+typedef struct mg_sampler_config {
+    uint32_t interval_us;     /**< sampling period (=100000, at least 5000) */
+    uint32_t ring_size;       /**< samples kept (=4096) */
+    uint64_t budget_bytes;    /**< 0: no budget signal */
+    const char *proc_root;    /**< procfs mount (="/proc") */
+    const char *cgroup_root;  /**< cgroup mount (="/sys/fs/cgroup") */
+    const mg_pressure_opts_t *pressure; /**< NULL: defaults */
+} mg_sampler_config_t;
+
+/** Wake reasons returned by mg_sampler_wait(). */
+enum { MG_WAKE_LEVEL = 1, MG_WAKE_SAMPLE = 2, MG_WAKE_USER = 4 };
+
+MG_API int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out);
+MG_API void mg_sampler_destroy(mg_sampler_t *s);
+/** Start the background thread (signals blocked). EALREADY if running. */
+MG_API int mg_sampler_start(mg_sampler_t *s);
+/** Stop and join the thread; a no-op when not running. */
+MG_API int mg_sampler_stop(mg_sampler_t *s);
+MG_API int mg_sampler_running(const mg_sampler_t *s);
+/** Take one sample on the calling thread. EBUSY while the thread runs. */
+MG_API int mg_sampler_sample_now(mg_sampler_t *s, mg_sample_t *out);
+/** Copy the newest sample. ENOENT before the first one. */
+MG_API int mg_sampler_latest(mg_sampler_t *s, mg_sample_t *out);
+/**
+ * Copy up to @p cap samples with seq > @p after_seq, oldest first, into
+ * @p out; @p n receives the count. Samples overwritten in the ring are
+ * skipped (their count goes to @p dropped when non-NULL).
+ */
+MG_API int mg_sampler_since(mg_sampler_t *s, uint64_t after_seq, mg_sample_t *out,
+                            size_t cap, size_t *n, uint64_t *dropped);
+/** Ask for a MG_WAKE_SAMPLE notification after every sample (or not). */
+MG_API void mg_sampler_notify_samples(mg_sampler_t *s, int on);
+/**
+ * Block until the level changes, a sample is taken (when notifications are
+ * on), mg_sampler_wake() is called, or @p timeout_ms passes (-1: forever).
+ * @p wake receives MG_WAKE_* bits, 0 on timeout.
+ */
+MG_API int mg_sampler_wait(mg_sampler_t *s, int timeout_ms, int *wake);
+/** Interrupt one mg_sampler_wait(). */
+MG_API int mg_sampler_wake(mg_sampler_t *s);
+/** Level-change eventfd (readable after a change), or -1 when none yet. */
+MG_API int mg_sampler_level_fd(const mg_sampler_t *s);
+/** CPU time used by the sampling thread so far, in nanoseconds. */
+MG_API int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out);
+/** Change the budget used by the pressure model (takes effect next sample). */
+MG_API void mg_sampler_set_budget(mg_sampler_t *s, uint64_t budget_bytes);
+
+/* ---- options ------------------------------------------------------------ */
+
+/**
+ * Options live in one table, each read lazily from MEMGUARD_<NAME> on first
+ * use. Bad environment values are recorded as warnings and the default kept.
+ */
+/** Read option @p name as text into @p buf. ENOENT for an unknown name. */
+MG_API int mg_option_get(const char *name, char *buf, size_t cap);
+/** Set option @p name from text. ENOENT unknown name, EINVAL bad value. */
+MG_API int mg_option_set(const char *name, const char *value);
+/** Name of option @p i (NULL past the end), for listings. */
+MG_API const char *mg_option_name(size_t i);
+/** Pop the next warning about a bad environment value into @p buf; ENOENT if none. */
+MG_API int mg_option_next_warning(char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MEMGUARD_H */
