@@ -233,7 +233,6 @@ static void read_fast(mgi_sources_t *src, mg_sample_t *s, char *buf)
     size_t len;
     const char *why;
     uint64_t v;
-    int unlimited;
 
     if (rd(src, MGI_SRC_STATM, buf, &len) == 0 &&
         mgi_parse_statm(buf, len, src->page_size, &v, &why) == 0) {
@@ -284,6 +283,7 @@ static void refresh_slow(mgi_sources_t *src, mg_sample_t *s, char *buf)
     size_t len;
     const char *why;
     uint64_t v;
+    int unlimited;
     mgi_slow_t *c = &src->slow;
     int64_t dt = s->mono_ns - src->slow_at_ns;
 
