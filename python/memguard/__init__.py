@@ -1,1 +1,36 @@
+"""memguard: keep a PyTorch training run inside its memory budget.
 
+The C core samples memory telemetry off the GIL and turns it into a pressure
+level; this package exposes it::
+
+    import memguard
+
+    memguard.parse_budget("12GiB")          # bytes
+    s = memguard.sample()                   # one synchronous reading
+    with memguard.telemetry.Sampler(interval_ms=100, budget="75%") as sampler:
+        sampler.on_pressure(lambda ev: print(ev.new, ev.sample.reasons))
+        ...
+"""
+from memguard import telemetry
+from memguard._options import configure, option, options
+from memguard.budget import parse_budget
+from memguard.telemetry import Level, PressureEvent, Sample, Sampler, sample
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Level",
+    "PressureEvent",
+    "Sample",
+    "Sampler",
+    "configure",
+    "option",
+    "options",
+    "parse_budget",
+    "sample",
+    "telemetry",
+]
+
+from memguard import _options as _opts  # noqa: E402
+
+_opts.warn_about_environment()

@@ -1,0 +1,81 @@
+"""memguard's options: one table in the C core, read from ``MEMGUARD_<NAME>``
+environment variables on first use and changed with :func:`configure`.
+
+A bad environment value keeps the default and is reported as a
+:class:`MemguardConfigWarning` (a run should not die over a typo in its
+environment); a bad value passed to :func:`configure` raises ``ValueError``,
+since it is a mistake in code.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Dict, Union
+
+from memguard import _C
+
+# Environment names memguard reads outside the option table.
+_OTHER_ENV = frozenset({"MEMGUARD_PRELOAD", "MEMGUARD_DEBUG"})
+
+
+class MemguardConfigWarning(UserWarning):
+    """A ``MEMGUARD_*`` environment variable was not understood."""
+
+
+def _as_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def configure(**values: object) -> None:
+    """Set options for samplers created afterwards.
+
+    Args:
+        **values: option names (see :func:`options`) and their values, e.g.
+            ``configure(interval_ms=10, psi_high=0.2)``.
+
+    Raises:
+        ValueError: an unknown option name or a value out of its range.
+    """
+    for name, value in values.items():
+        try:
+            _C.option_set(name, _as_text(value))
+        except KeyError:
+            known = ", ".join(_C.option_names())
+            raise ValueError(f"unknown memguard option {name!r}; known: {known}") from None
+
+
+def option(name: str) -> Union[float, str]:
+    """Current value of one option (numbers as ``float``).
+
+    Raises:
+        ValueError: unknown option name.
+    """
+    try:
+        text = _C.option_get(name)
+    except KeyError:
+        raise ValueError(f"unknown memguard option {name!r}") from None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def options() -> Dict[str, Union[float, str]]:
+    """All options and their current values."""
+    return {name: option(name) for name in _C.option_names()}
+
+
+def warn_about_environment() -> None:
+    """Report bad or unknown ``MEMGUARD_*`` variables once, as warnings."""
+    for message in _C.option_warnings():
+        warnings.warn(message, MemguardConfigWarning, stacklevel=3)
+    known = {"MEMGUARD_" + n.upper() for n in _C.option_names()} | _OTHER_ENV
+    for key in os.environ:
+        if key.startswith("MEMGUARD_") and key not in known:
+            warnings.warn(
+                f"{key} is not a memguard option; known: {', '.join(sorted(known))}",
+                MemguardConfigWarning,
+                stacklevel=3,
+            )
