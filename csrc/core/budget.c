@@ -24,16 +24,20 @@ static int split_number(const char *t, uint64_t *ip, double *frac, char *unit, s
         v = v * 10 + d;
         t++;
     }
-    double f = 0, scale = 0.1;
+    double f = 0;
     if (*t == '.') {
+        /* digits as one integer, divided once, so "0.3" is exactly 0.3 */
+        uint64_t frac = 0, scale = 1;
         t++;
         if (!isdigit((unsigned char)*t))
             return EINVAL;
-        while (isdigit((unsigned char)*t)) {
-            f += scale * (*t - '0');
-            scale *= 0.1;
-            t++;
+        for (; isdigit((unsigned char)*t); t++) {
+            if (scale < 1000000000000000000ULL) {
+                frac = frac * 10 + (uint64_t)(*t - '0');
+                scale *= 10;
+            }
         }
+        f = (double)frac / (double)scale;
     }
     while (*t == ' ' || *t == '\t')
         t++;

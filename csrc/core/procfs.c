@@ -35,15 +35,18 @@ static int parse_decimal(const char **p, const char *end, double *out)
     double v = (double)ip;
     const char *q = *p;
     if (q < end && *q == '.') {
-        double scale = 0.1;
+        /* digits as one integer, divided once: "0.3" gives exactly 0.3 */
+        uint64_t frac = 0, scale = 1;
         q++;
         if (q >= end || *q < '0' || *q > '9')
             return EBADMSG;
-        while (q < end && *q >= '0' && *q <= '9') {
-            v += scale * (double)(*q - '0');
-            scale *= 0.1;
-            q++;
+        for (; q < end && *q >= '0' && *q <= '9'; q++) {
+            if (scale < 1000000000000000000ULL) {
+                frac = frac * 10 + (uint64_t)(*q - '0');
+                scale *= 10;
+            }
         }
+        v += (double)frac / (double)scale;
     }
     *p = q;
     *out = v;
@@ -64,6 +67,16 @@ static const char *line_end(const char *p, const char *end)
     return nl ? nl : end;
 }
 
+/* What follows the separator ('\n', ',') at sep, or end when there is none:
+ * a pointer past end is undefined even unread, and the buffer may end there. */
+static const char *step_past(const char *sep, const char *end)
+{
+    return sep < end ? sep + 1 : end;
+}
+
+/* The kernel ends every line with '\n'. A line without one was cut short by
+ * a read into too small a buffer (or a truncated fixture): "VmSwap: 12" may
+ * be the start of "VmSwap: 1234 kB", so its value is malformed, not small. */
 int mgi_find_u64(const char *buf, size_t len, const char *key, uint64_t *out)
 {
     const char *p = buf, *end = buf + len;
@@ -72,6 +85,8 @@ int mgi_find_u64(const char *buf, size_t len, const char *key, uint64_t *out)
         const char *le = line_end(p, end);
         if ((size_t)(le - p) > klen && memcmp(p, key, klen) == 0 &&
             (p[klen] == ':' || p[klen] == ' ' || p[klen] == '\t')) {
+            if (le == end)
+                return EBADMSG;
             const char *q = p + klen;
             if (*q == ':')
                 q++;
@@ -92,7 +107,7 @@ int mgi_find_u64(const char *buf, size_t len, const char *key, uint64_t *out)
             *out = v;
             return 0;
         }
-        p = le + 1;
+        p = step_past(le, end);
     }
     return ENOENT;
 }
@@ -208,6 +223,11 @@ int mgi_parse_psi(const char *buf, size_t len, mgi_psi_t *out, const char **why)
     memset(out, 0, sizeof(*out));
     while (p < end) {
         const char *le = line_end(p, end);
+        if (le == end) {
+            /* a cut "total=12" may have been "total=1234": see mgi_find_u64 */
+            *why = "last line cut short (no newline)";
+            return EBADMSG;
+        }
         if (le - p >= 5 && memcmp(p, "some ", 5) == 0) {
             if (parse_psi_line(p + 5, le, &out->some_avg10, &out->some_avg60,
                                &out->some_total_us)) {
@@ -223,7 +243,7 @@ int mgi_parse_psi(const char *buf, size_t len, mgi_psi_t *out, const char **why)
             }
             out->have_full = 1;
         }
-        p = le + 1;
+        p = step_past(le, end);
     }
     if (!have_some) {
         *why = "no \"some\" line";
@@ -240,6 +260,11 @@ int mgi_parse_statm(const char *buf, size_t len, uint64_t page_size, uint64_t *r
     if (parse_u64(&p, end, &size) || (p = skip_blanks(p, end)) == end ||
         parse_u64(&p, end, &resident)) {
         *why = "fewer than two numbers";
+        return EBADMSG;
+    }
+    /* the kernel writes seven fields: a count at the very end may be cut */
+    if (p == end || (*p != ' ' && *p != '\t' && *p != '\n')) {
+        *why = "resident page count cut short or malformed";
         return EBADMSG;
     }
     if (page_size && resident > UINT64_MAX / page_size) {
@@ -271,7 +296,9 @@ int mgi_parse_stat(const char *buf, size_t len, mgi_faults_t *out, const char **
         }
         if (field == 7 || field == 9) {
             uint64_t v;
-            if (parse_u64(&p, end, &v)) {
+            /* more fields follow majflt, so a count at the very end was cut */
+            if (parse_u64(&p, end, &v) || p == end ||
+                (*p != ' ' && *p != '\t' && *p != '\n')) {
                 *why = "malformed fault count";
                 return EBADMSG;
             }
@@ -293,7 +320,7 @@ static int list_has(const char *p, const char *e, const char *w)
         const char *ie = c ? c : e;
         if ((size_t)(ie - p) == wl && memcmp(p, w, wl) == 0)
             return 1;
-        p = ie + 1;
+        p = step_past(ie, e);
     }
     return 0;
 }
@@ -322,6 +349,11 @@ int mgi_parse_cgroup(const char *buf, size_t len, mgi_cgpaths_t *out, const char
                 out->have_v1 = 1;
             }
             if (dst) {
+                if (le == end) {
+                    /* "/user.slice/app" may be the start of "/user.slice/app.scope" */
+                    *why = "cgroup line cut short (no newline)";
+                    return EBADMSG;
+                }
                 if (plen == 0 || path[0] != '/' || plen >= MGI_CGPATH_MAX) {
                     *why = "cgroup path empty, relative or too long";
                     return EBADMSG;
@@ -330,7 +362,7 @@ int mgi_parse_cgroup(const char *buf, size_t len, mgi_cgpaths_t *out, const char
                 dst[plen] = '\0';
             }
         }
-        p = le + 1;
+        p = step_past(le, end);
     }
     if (!out->have_v1 && !out->have_v2) {
         *why = "neither a v2 line nor a v1 memory line";
@@ -350,6 +382,10 @@ int mgi_parse_limit(const char *buf, size_t len, uint64_t *out, int *unlimited,
         p += 3;
     } else if (parse_u64(&p, end, out)) {
         *why = "not a number or \"max\"";
+        return EBADMSG;
+    } else if (p == end) {
+        /* "4294" may be the start of "4294967296\n": the kernel ends it with '\n' */
+        *why = "number cut short (no newline)";
         return EBADMSG;
     }
     while (p < end && (*p == ' ' || *p == '\t' || *p == '\n'))

@@ -1,0 +1,377 @@
+"""The live sampler against /proc, its callbacks, exporters and lifecycle."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+import memguard
+from memguard import _C
+from memguard.telemetry import (
+    FIELD_NAMES,
+    CsvExporter,
+    JsonlExporter,
+    Level,
+    Sample,
+    Sampler,
+    read_jsonl,
+)
+
+
+def proc_kib(path: str, key: str) -> int:
+    with open(path) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def near(a: float, b: float, rel: float = 0.05) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def test_sample_fields_match_the_c_layer():
+    assert set(FIELD_NAMES) == set(_C.sample_fields())
+
+
+def test_rss_and_available_match_proc():
+    block = bytearray(256 * 2**20)  # make RSS large and known
+    block[:: 4096] = b"x" * len(block[:: 4096])
+    s = Sampler()
+    got = s.sample_now()
+    rss = proc_kib("/proc/self/status", "VmRSS")
+    avail = proc_kib("/proc/meminfo", "MemAvailable")
+    assert near(got.rss_bytes, rss), (got.rss_bytes, rss)
+    assert got.rss_bytes >= 256 * 2**20
+    assert near(got.mem_available_bytes, avail), (got.mem_available_bytes, avail)
+    assert got.mem_total_bytes == proc_kib("/proc/meminfo", "MemTotal")
+    assert got.rss_peak_bytes >= got.rss_bytes
+    assert got.swap_bytes == proc_kib("/proc/self/status", "VmSwap")
+    del block
+
+
+def test_growth_shows_in_rss():
+    s = Sampler()
+    before = s.sample_now().rss_bytes
+    block = bytearray(128 * 2**20)
+    block[:: 4096] = b"y" * len(block[:: 4096])
+    after = s.sample_now().rss_bytes
+    assert near(after - before, 128 * 2**20, 0.1), (before, after)
+    del block
+
+
+def test_faults_bracketed_by_proc_stat():
+    def stat_faults():
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[7]), int(fields[9])
+
+    before = stat_faults()
+    got = memguard.sample()
+    after = stat_faults()
+    assert before[0] <= got.minor_faults <= after[0]
+    assert before[1] <= got.major_faults <= after[1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/pressure/memory"), reason="no PSI here")
+def test_psi_parsed_from_the_real_file():
+    def totals():
+        with open("/proc/pressure/memory") as f:
+            lines = dict(line.split(" ", 1) for line in f.read().splitlines())
+        return {k: int(v.rsplit("total=", 1)[1]) for k, v in lines.items()}
+
+    before = totals()
+    got = memguard.sample()
+    after = totals()
+    assert before["some"] <= got.psi_some_total_us <= after["some"]
+    assert before["full"] <= got.psi_full_total_us <= after["full"]
+    assert 0 <= got.psi_some_avg10 <= 100
+
+
+def test_cgroup_matches_this_machines_layout():
+    got = memguard.sample()
+    with open("/proc/self/cgroup") as f:
+        lines = f.read().splitlines()
+    has_v1_memory = any(line.split(":")[1] and "memory" in line.split(":")[1].split(",")
+                        for line in lines)
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        assert got.cgroup_version in (2, None)
+    elif has_v1_memory:
+        assert got.cgroup_version == 1
+        path = next(ln for ln in lines if "memory" in ln.split(":")[1].split(",")).split(":", 2)[2]
+        d = "/sys/fs/cgroup/memory" + path
+        if os.path.isdir(d):
+            with open(d + "/memory.usage_in_bytes") as f:
+                usage = int(f.read())
+            assert near(got.cgroup_usage_bytes, usage, 0.2)
+
+
+def test_rates_need_a_previous_sample():
+    s = Sampler()
+    first = s.sample_now()
+    second = s.sample_now()
+    assert first.interval_s is None and first.psi_some_stall is None
+    assert first.minor_faults_per_s is None
+    assert second.interval_s > 0 and second.minor_faults_per_s is not None
+    if second.psi_some_total_us is not None:
+        assert 0.0 <= second.psi_some_stall <= 1.0
+
+
+def test_thread_samples_at_its_interval():
+    with Sampler(interval_ms=20) as s:
+        time.sleep(0.6)
+    hist = s.history()
+    assert 20 <= len(hist) <= 40
+    assert [h.seq for h in hist] == list(range(1, len(hist) + 1))
+    gaps = sorted(h.interval_s for h in hist[1:])
+    assert 0.015 < gaps[len(gaps) // 2] < 0.03
+    assert s.latest().seq == hist[-1].seq
+    assert [h.seq for h in s.history(3)] == [h.seq for h in hist[-3:]]
+    assert s.cpu_seconds > 0
+
+
+def test_ring_keeps_the_newest():
+    with Sampler(interval_ms=5, ring_size=8) as s:
+        time.sleep(0.2)
+    hist = s.history()
+    assert len(hist) == 8
+    assert hist[-1].seq == s.latest().seq and hist[0].seq == hist[-1].seq - 7
+
+
+def test_callbacks_run_on_a_python_thread_and_see_every_sample():
+    seen, threads = [], set()
+
+    def cb(sample):
+        seen.append(sample.seq)
+        threads.add(threading.current_thread().name)
+
+    with Sampler(interval_ms=5) as s:
+        s.on_sample(cb)
+        time.sleep(0.3)
+    assert threads == {"memguard-telemetry"}
+    assert len(seen) >= 20
+    assert seen == list(range(seen[0], seen[0] + len(seen)))  # no gaps
+    assert seen[-1] == s.latest().seq  # stop() delivered the last ones
+    assert s.dropped == 0
+
+
+def test_failing_callback_goes_to_unraisablehook_and_sampling_goes_on(monkeypatch):
+    hooked = []
+    monkeypatch.setattr(sys, "unraisablehook", hooked.append)
+    calls = []
+
+    def bad(sample):
+        calls.append(sample.seq)
+        raise RuntimeError("boom")
+
+    with Sampler(interval_ms=10) as s:
+        s.on_sample(bad)
+        time.sleep(0.3)
+    assert len(calls) >= 10
+    assert len(hooked) == len(calls)
+    assert isinstance(hooked[0].exc_value, RuntimeError)
+    assert "memguard telemetry callback" in hooked[0].err_msg
+    assert hooked[0].object is bad
+
+
+def test_pressure_events_follow_the_budget():
+    events = []
+    s = Sampler(interval_ms=10, pressure={"calm_samples": 3})
+    rss = s.sample_now().rss_bytes
+    s = Sampler(interval_ms=10, budget=int(rss / 0.95), pressure={"calm_samples": 3})
+    s.on_pressure(events.append)
+    with s:
+        deadline = time.monotonic() + 2
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.set_budget(rss * 100)
+        deadline = time.monotonic() + 2
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert events[0].old == Level.OK and events[0].new >= Level.HIGH
+    assert "budget" in events[0].sample.reasons
+    assert events[1].new == Level.OK
+    assert events[1].sample.budget_used_fraction < 0.05
+
+
+def test_level_change_wakes_a_waiter_with_the_gil_released():
+    rss = Sampler().sample_now().rss_bytes
+    c = _C.Sampler(interval_ms=10, budget_bytes=rss * 100)
+    ticks = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    c.start()
+    # 100 ms into the wait, the budget drops below RSS: the level must rise
+    threading.Timer(0.1, c.set_budget, args=(int(rss / 0.99),)).start()
+    try:
+        n0 = len(ticks)
+        woke = c.wait(5.0)
+        n1 = len(ticks)
+        assert woke & _C.WAKE_LEVEL
+        assert c.latest()["level"] >= Level.HIGH
+        assert n1 - n0 >= 20  # the other Python thread ran while we waited
+    finally:
+        c.stop()
+        stop.set()
+        t.join()
+
+
+def test_wait_times_out_and_wakes_on_request():
+    c = _C.Sampler(interval_ms=100)
+    t0 = time.monotonic()
+    assert c.wait(0.05) == 0
+    assert time.monotonic() - t0 >= 0.04
+    threading.Timer(0.05, c.wake).start()
+    assert c.wait(5.0) & _C.WAKE_USER
+
+
+def test_start_stop_restart_many_times():
+    s = Sampler(interval_ms=5)
+    for _ in range(50):
+        s.start()
+        s.start()  # idempotent
+        assert s.running
+        s.stop()
+        s.stop()
+        assert not s.running
+    s.sample_now()  # usable after stop
+    with s:
+        with pytest.raises(RuntimeError, match="running"):
+            s.sample_now()
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="interval_ms 2"):
+        Sampler(interval_ms=2)
+    with pytest.raises(ValueError, match="'lots'"):
+        Sampler(budget="lots")
+    with pytest.raises(ValueError, match="unknown pressure threshold 'psi_hihg'"):
+        Sampler(pressure={"psi_hihg": 0.1})
+    with pytest.raises(ValueError, match="must rise"):
+        Sampler(pressure={"psi_elevated": 0.5, "psi_high": 0.1})
+    with pytest.raises(ValueError, match=".jsonl or .csv"):
+        Sampler(export="run.txt").start()
+
+
+def test_jsonl_export_roundtrip(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with Sampler(interval_ms=10, export=path) as s:
+        time.sleep(0.2)
+    meta, samples, events = read_jsonl(path)
+    assert meta["schema"] == "memguard.telemetry" and meta["schema_version"] == 1
+    assert meta["fields"] == list(FIELD_NAMES)
+    assert [x.seq for x in samples] == [x.seq for x in s.history()]
+    assert samples[-1] == s.history()[-1]  # every field survives the trip
+    assert events == []
+
+
+def test_jsonl_events_and_foreign_files(tmp_path):
+    path = tmp_path / "e.jsonl"
+    with JsonlExporter(path, meta={"run": "x"}) as ex:
+        ex(memguard.sample())
+        ex.event("gc", seconds=0.01)
+    meta, samples, events = read_jsonl(path)
+    assert meta["run"] == "x" and len(samples) == 1
+    assert events[0]["event"] == "gc" and events[0]["seconds"] == 0.01
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"type": "meta", "schema": "something"}) + "\n")
+    with pytest.raises(ValueError, match="not a memguard telemetry file"):
+        read_jsonl(other)
+    newer = tmp_path / "newer.jsonl"
+    newer.write_text(json.dumps({"type": "meta", "schema": "memguard.telemetry",
+                                 "schema_version": 99}) + "\n")
+    with pytest.raises(ValueError, match="schema version 99"):
+        read_jsonl(newer)
+
+
+def test_csv_export(tmp_path):
+    path = tmp_path / "run.csv"
+    s = Sampler()
+    a, b = s.sample_now(), s.sample_now()
+    with CsvExporter(path) as ex:
+        ex(a)
+        ex(b)
+    rows = list(csv.DictReader(open(path)))
+    assert list(rows[0]) == ["schema_version", *FIELD_NAMES]
+    assert rows[0]["schema_version"] == "1"
+    assert int(rows[1]["rss_bytes"]) == b.rss_bytes
+    assert rows[0]["interval_s"] == ""  # None is an empty cell, not 0
+    assert rows[1]["level"] == b.level.name
+
+
+def test_sample_roundtrips_through_dict():
+    s = memguard.sample()
+    assert Sample.from_dict(s.to_dict()) == s
+    assert Sample.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_fork_while_sampling(tmp_path):
+    """The child of a fork has no sampler thread; it can start its own, whose
+    readings are the child's; the parent's sampler keeps running."""
+    parent = Sampler(interval_ms=5)
+    parent.start()
+    time.sleep(0.05)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.close(r)
+            assert not parent.running
+            parent.stop()  # harmless in the child
+            mine = Sampler(interval_ms=5)
+            base = mine.sample_now().rss_bytes
+            block = bytearray(96 * 2**20)
+            block[:: 4096] = b"c" * len(block[:: 4096])
+            grown = mine.sample_now().rss_bytes
+            with mine:
+                time.sleep(0.05)
+            parent.start()  # the inherited one restarts too
+            time.sleep(0.03)
+            parent.stop()
+            os.write(w, json.dumps({"base": base, "grown": grown,
+                                    "n": len(mine.history())}).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    seq_at_fork = parent.latest().seq
+    _, status = os.waitpid(pid, 0)
+    child = json.loads(os.read(r, 4096) or b"{}")
+    os.close(r)
+    time.sleep(0.05)
+    parent.stop()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child["grown"] - child["base"] >= 90 * 2**20
+    assert child["n"] >= 3
+    assert parent.latest().seq > seq_at_fork + 5
+    assert parent.latest().rss_bytes < child["grown"] + 2**30
+
+
+def test_fork_child_of_dataloader_style_workers():
+    """multiprocessing workers forked while the sampler runs exit cleanly."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    with Sampler(interval_ms=5) as s:
+        with ctx.Pool(2) as pool:
+            out = pool.map(_child_sample_rss, range(4))
+        time.sleep(0.05)
+    assert all(v > 0 for v in out)
+    assert s.latest().seq > 5
+
+
+def _child_sample_rss(_: int) -> int:
+    return memguard.sample().rss_bytes
