@@ -11,7 +11,7 @@ from memguard.telemetry import Level, read_jsonl
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memguard", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "memguard", *args], capture_output=True, check=False,
                           text=True, timeout=timeout)
 
 

@@ -14,7 +14,7 @@ import memguard
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if not k.startswith("MEMGUARD_")}
     full.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, check=False,
                           text=True, timeout=60)
 
 

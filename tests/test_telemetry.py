@@ -247,9 +247,8 @@ def test_start_stop_restart_many_times():
         s.stop()
         assert not s.running
     s.sample_now()  # usable after stop
-    with s:
-        with pytest.raises(RuntimeError, match="running"):
-            s.sample_now()
+    with s, pytest.raises(RuntimeError, match="running"):
+        s.sample_now()
 
 
 def test_bad_arguments_are_clear():
@@ -303,7 +302,8 @@ def test_csv_export(tmp_path):
     with CsvExporter(path) as ex:
         ex(a)
         ex(b)
-    rows = list(csv.DictReader(open(path)))
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["schema_version", *FIELD_NAMES]
     assert rows[0]["schema_version"] == "1"
     assert int(rows[1]["rss_bytes"]) == b.rss_bytes

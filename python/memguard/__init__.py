@@ -31,6 +31,6 @@ __all__ = [
     "telemetry",
 ]
 
-from memguard import _options as _opts  # noqa: E402
+from memguard import _options as _opts
 
 _opts.warn_about_environment()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, Union
 
 from memguard import _C
 
@@ -46,7 +45,7 @@ def configure(**values: object) -> None:
             raise ValueError(f"unknown memguard option {name!r}; known: {known}") from None
 
 
-def option(name: str) -> Union[float, str]:
+def option(name: str) -> float | str:
     """Current value of one option (numbers as ``float``).
 
     Raises:
@@ -62,7 +61,7 @@ def option(name: str) -> Union[float, str]:
         return text
 
 
-def options() -> Dict[str, Union[float, str]]:
+def options() -> dict[str, float | str]:
     """All options and their current values."""
     return {name: option(name) for name in _C.option_names()}
 

@@ -2,9 +2,8 @@
 ``"75%"`` or a number of bytes."""
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from memguard import _C
+
 
 def _system_limits() -> tuple:
     """(total, usable) bytes for this process right now.
@@ -26,7 +25,7 @@ def _system_limits() -> tuple:
     return total, usable
 
 
-def parse_budget(value: Union[str, int], total: Optional[int] = None) -> int:
+def parse_budget(value: str | int, total: int | None = None) -> int:
     """Turn a budget into bytes.
 
     Args:
@@ -46,13 +45,13 @@ def parse_budget(value: Union[str, int], total: Optional[int] = None) -> int:
         ValueError: the value is not a budget; the message names it.
     """
     if isinstance(value, bool):
-        raise ValueError(f"budget {value!r} is not valid: a budget is not a boolean")
+        raise ValueError(f"budget {value!r} is not valid: a budget is not a boolean")  # noqa: TRY004 - one error type for every bad budget
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"budget {value!r} is not valid: it must be positive")
         return value
     if not isinstance(value, str):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - one error type for every bad budget
             f"budget {value!r} is not valid: use \"auto\", a size such as \"12GiB\", "
             f"a percentage such as \"75%\", or a positive integer of bytes"
         )

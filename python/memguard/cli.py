@@ -5,12 +5,11 @@ import argparse
 import json
 import sys
 import time
-from typing import List, Optional
 
 from memguard.telemetry import Sample, Sampler, open_exporter, sample
 
 
-def _mib(v: Optional[int]) -> str:
+def _mib(v: int | None) -> str:
     return "-" if v is None else f"{v / 2**20:,.0f}"
 
 
@@ -68,7 +67,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from memguard import doctor
 
-    return doctor.main([])
+    return doctor.main(args.doctor_args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -83,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("doctor", help="what this machine offers and what memguard can do here")
+    d.add_argument("doctor_args", nargs=argparse.REMAINDER, help="--json, --no-torch")
     d.set_defaults(fn=_cmd_doctor)
 
     s = sub.add_parser("sample", help="print one telemetry sample")
@@ -103,13 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of ``memguard`` and ``python -m memguard``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:  # the demo parses its own options
+    if argv[:1] == ["demo"]:  # the demo and doctor parse their own options
         from memguard import demo
 
         return demo.main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from memguard import doctor
+
+        return doctor.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

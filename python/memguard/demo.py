@@ -13,7 +13,6 @@ import argparse
 import gc
 import os
 import time
-from typing import List, Optional
 
 from memguard.budget import parse_budget
 from memguard.cli import format_line
@@ -33,7 +32,7 @@ def _model(torch, dim: int, depth: int, classes: int):
     )
 
 
-def Transpose(torch):  # noqa: N802 - a tiny module factory
+def Transpose(torch):
     class _T(torch.nn.Module):
         def forward(self, x):
             return x.transpose(1, 2)
@@ -41,7 +40,7 @@ def Transpose(torch):  # noqa: N802 - a tiny module factory
     return _T()
 
 
-def Mean(torch):  # noqa: N802
+def Mean(torch):
     class _M(torch.nn.Module):
         def forward(self, x):
             return x.mean(dim=1)
@@ -59,7 +58,7 @@ def _malloc_trim() -> bool:
         return False
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 on success."""
     p = argparse.ArgumentParser(prog="memguard demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,8 +24,11 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import IO, Any, Callable
+
+from typing_extensions import Self
 
 from memguard import _C
 from memguard.budget import parse_budget
@@ -58,59 +61,59 @@ class Sample:
 
     t: float  # seconds since the epoch
     seq: int
-    interval_s: Optional[float]
+    interval_s: float | None
     sample_cost_us: float
     # the process
-    rss_bytes: Optional[int]
-    rss_peak_bytes: Optional[int]
-    swap_bytes: Optional[int]
-    minor_faults: Optional[int]
-    major_faults: Optional[int]
-    minor_faults_per_s: Optional[float]
-    major_faults_per_s: Optional[float]
+    rss_bytes: int | None
+    rss_peak_bytes: int | None
+    swap_bytes: int | None
+    minor_faults: int | None
+    major_faults: int | None
+    minor_faults_per_s: float | None
+    major_faults_per_s: float | None
     # the system
-    mem_total_bytes: Optional[int]
-    mem_available_bytes: Optional[int]
-    swap_total_bytes: Optional[int]
-    swap_free_bytes: Optional[int]
-    swap_in_pages: Optional[int]
-    swap_out_pages: Optional[int]
-    system_major_faults: Optional[int]
-    swap_in_pages_per_s: Optional[float]
-    swap_out_pages_per_s: Optional[float]
+    mem_total_bytes: int | None
+    mem_available_bytes: int | None
+    swap_total_bytes: int | None
+    swap_free_bytes: int | None
+    swap_in_pages: int | None
+    swap_out_pages: int | None
+    system_major_faults: int | None
+    swap_in_pages_per_s: float | None
+    swap_out_pages_per_s: float | None
     # PSI (/proc/pressure/memory)
-    psi_some_avg10: Optional[float]
-    psi_some_avg60: Optional[float]
-    psi_some_total_us: Optional[int]
-    psi_full_avg10: Optional[float]
-    psi_full_avg60: Optional[float]
-    psi_full_total_us: Optional[int]
-    psi_some_stall: Optional[float]
-    psi_full_stall: Optional[float]
+    psi_some_avg10: float | None
+    psi_some_avg60: float | None
+    psi_some_total_us: int | None
+    psi_full_avg10: float | None
+    psi_full_avg60: float | None
+    psi_full_total_us: int | None
+    psi_some_stall: float | None
+    psi_full_stall: float | None
     # the memory cgroup (v1 or v2)
-    cgroup_version: Optional[int]
-    cgroup_usage_bytes: Optional[int]
-    cgroup_limit_bytes: Optional[int]
-    cgroup_high_bytes: Optional[int]
-    cgroup_working_set_bytes: Optional[int]
-    cgroup_oom_events: Optional[int]
-    cgroup_oom_kill_events: Optional[int]
-    cgroup_psi_some_avg10: Optional[float]
-    cgroup_psi_full_avg10: Optional[float]
-    cgroup_psi_some_total_us: Optional[int]
-    cgroup_psi_full_total_us: Optional[int]
-    cgroup_psi_some_stall: Optional[float]
-    cgroup_psi_full_stall: Optional[float]
+    cgroup_version: int | None
+    cgroup_usage_bytes: int | None
+    cgroup_limit_bytes: int | None
+    cgroup_high_bytes: int | None
+    cgroup_working_set_bytes: int | None
+    cgroup_oom_events: int | None
+    cgroup_oom_kill_events: int | None
+    cgroup_psi_some_avg10: float | None
+    cgroup_psi_full_avg10: float | None
+    cgroup_psi_some_total_us: int | None
+    cgroup_psi_full_total_us: int | None
+    cgroup_psi_some_stall: float | None
+    cgroup_psi_full_stall: float | None
     # pressure
-    budget_bytes: Optional[int]
-    budget_used_fraction: Optional[float]
-    headroom_fraction: Optional[float]
+    budget_bytes: int | None
+    budget_used_fraction: float | None
+    headroom_fraction: float | None
     raw_level: Level
     level: Level
-    reasons: Tuple[str, ...]
+    reasons: tuple[str, ...]
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Sample":
+    def from_dict(cls, d: Mapping[str, Any]) -> Sample:
         """Build a sample from the C layer's dict or an exported record."""
         kw = {f.name: d.get(f.name) for f in _FIELDS}
         kw["level"] = _level(kw["level"])
@@ -118,7 +121,7 @@ class Sample:
         kw["reasons"] = tuple(kw["reasons"] or ())
         return cls(**kw)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: levels by name, reasons as a list."""
         d = {f.name: getattr(self, f.name) for f in _FIELDS}
         d["level"] = self.level.name
@@ -128,7 +131,7 @@ class Sample:
 
 
 _FIELDS = dataclasses.fields(Sample)
-FIELD_NAMES: Tuple[str, ...] = tuple(f.name for f in _FIELDS)
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in _FIELDS)
 
 
 def _level(v: Any) -> Level:
@@ -159,7 +162,7 @@ def _report_callback_error(cb: Callable[..., Any]) -> None:
     )
 
 
-_live: "weakref.WeakSet[Sampler]" = weakref.WeakSet()
+_live: weakref.WeakSet[Sampler] = weakref.WeakSet()
 
 
 class Sampler:
@@ -184,14 +187,14 @@ class Sampler:
 
     def __init__(
         self,
-        interval_ms: Optional[float] = None,
-        budget: Union[str, int, None] = None,
+        interval_ms: float | None = None,
+        budget: str | int | None = None,
         *,
-        ring_size: Optional[int] = None,
-        proc_root: Optional[str] = None,
-        cgroup_root: Optional[str] = None,
-        pressure: Optional[Mapping[str, float]] = None,
-        export: Union[str, os.PathLike, None] = None,
+        ring_size: int | None = None,
+        proc_root: str | None = None,
+        cgroup_root: str | None = None,
+        pressure: Mapping[str, float] | None = None,
+        export: str | os.PathLike | None = None,
     ) -> None:
         if interval_ms is not None and not (5 <= interval_ms <= 60000):
             raise ValueError(f"interval_ms {interval_ms!r} is out of range: use 5 to 60000")
@@ -207,20 +210,20 @@ class Sampler:
             pressure=dict(pressure) if pressure else None,
         )
         self._lock = threading.Lock()  # guards the callback lists and thread state
-        self._on_sample: List[Callable[[Sample], Any]] = []
-        self._on_pressure: List[Callable[[PressureEvent], Any]] = []
-        self._thread: Optional[threading.Thread] = None
+        self._on_sample: list[Callable[[Sample], Any]] = []
+        self._on_pressure: list[Callable[[PressureEvent], Any]] = []
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self._last_seq = 0
         self._last_level = Level.OK
-        self._exporter: Optional[_Exporter] = None
+        self._exporter: _Exporter | None = None
         self._export_path = export
         #: samples overwritten in the ring before the dispatcher saw them
         self.dropped = 0
         _live.add(self)
 
     # -- lifecycle ---------------------------------------------------------
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         """Start sampling (and the callback thread). Idempotent."""
         with self._lock:
             if self._thread is not None:
@@ -259,19 +262,19 @@ class Sampler:
         """Whether the sampling thread runs."""
         return self._c.running
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # -- readings ----------------------------------------------------------
-    def latest(self) -> Optional[Sample]:
+    def latest(self) -> Sample | None:
         """The newest sample, or ``None`` before the first."""
         d = self._c.latest()
         return None if d is None else Sample.from_dict(d)
 
-    def history(self, n: Optional[int] = None) -> List[Sample]:
+    def history(self, n: int | None = None) -> list[Sample]:
         """Up to ``n`` newest samples still in the ring, oldest first."""
         newest = self._c.latest()
         if newest is None:
@@ -292,11 +295,11 @@ class Sampler:
         return Sample.from_dict(self._c.sample_now())
 
     @property
-    def budget_bytes(self) -> Optional[int]:
+    def budget_bytes(self) -> int | None:
         """The budget the pressure model compares RSS with, or ``None``."""
         return self._budget or None
 
-    def set_budget(self, budget: Union[str, int, None]) -> None:
+    def set_budget(self, budget: str | int | None) -> None:
         """Change the budget from the next sample on."""
         self._budget = 0 if budget is None else parse_budget(budget)
         self._c.set_budget(self._budget)
@@ -365,7 +368,7 @@ class Sampler:
         for cb in on_sample:
             try:
                 cb(s)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a failing callback must not stop telemetry
                 _report_callback_error(cb)
         if s.level != self._last_level:
             ev = PressureEvent(old=self._last_level, new=s.level, sample=s)
@@ -373,7 +376,7 @@ class Sampler:
             for cb in on_pressure:
                 try:
                     cb(ev)
-                except Exception:
+                except Exception:  # noqa: BLE001 - as above
                     _report_callback_error(cb)
 
     def _after_fork_in_child(self) -> None:
@@ -393,8 +396,8 @@ def _stop_all_at_exit() -> None:
     for s in list(_live):
         try:
             s.stop()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+        except Exception:  # noqa: BLE001 - exiting anyway; report, do not raise
+            _report_callback_error(s.stop)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -403,7 +406,7 @@ atexit.register(_stop_all_at_exit)
 
 # -- one synchronous reading ----------------------------------------------
 _oneshot_lock = threading.Lock()
-_oneshot: Optional[_C.Sampler] = None
+_oneshot: _C.Sampler | None = None
 
 
 def sample() -> Sample:
@@ -432,13 +435,16 @@ os.register_at_fork(after_in_child=_reset_oneshot_in_child)
 class _Exporter:
     """Base: a callable taking samples, writing to a file, closable."""
 
-    def __init__(self, path: Union[str, os.PathLike, IO[str]]) -> None:
+    def __init__(self, path: str | os.PathLike | IO[str]) -> None:
         if isinstance(path, io.TextIOBase):
             self._f: IO[str] = path
             self._owns = False
         else:
             os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
-            self._f = open(os.fspath(path), "w", buffering=1, encoding="utf-8", newline="")
+            # kept open for the exporter's life; close() closes it
+            self._f = open(  # noqa: SIM115
+                os.fspath(path), "w", buffering=1, encoding="utf-8", newline=""
+            )
             self._owns = True
         self._lock = threading.Lock()
 
@@ -454,7 +460,7 @@ class _Exporter:
             if self._owns:
                 self._f.close()
 
-    def __enter__(self) -> "_Exporter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -474,7 +480,7 @@ class JsonlExporter(_Exporter):
     """
 
     def __init__(
-        self, path: Union[str, os.PathLike, IO[str]], meta: Optional[Mapping[str, Any]] = None
+        self, path: str | os.PathLike | IO[str], meta: Mapping[str, Any] | None = None
     ) -> None:
         super().__init__(path)
         head = {
@@ -497,13 +503,13 @@ class JsonlExporter(_Exporter):
                 self._f.write(line + "\n")
 
     def __call__(self, s: Sample) -> None:
-        rec: Dict[str, Any] = {"type": "sample"}
+        rec: dict[str, Any] = {"type": "sample"}
         rec.update(s.to_dict())
         self._write(rec)
 
     def event(self, name: str, **data: Any) -> None:
         """Write one event record (gc run, shrink, OOM recovered, ...)."""
-        rec: Dict[str, Any] = {"type": "event", "event": name, "t": time.time()}
+        rec: dict[str, Any] = {"type": "event", "event": name, "t": time.time()}
         rec.update(data)
         self._write(rec)
 
@@ -512,7 +518,7 @@ class CsvExporter(_Exporter):
     """Write samples as CSV: a header row, then one row per sample. The first
     column, ``schema_version``, carries the schema version on every row."""
 
-    def __init__(self, path: Union[str, os.PathLike, IO[str]]) -> None:
+    def __init__(self, path: str | os.PathLike | IO[str]) -> None:
         super().__init__(path)
         self._w = csv.writer(self._f)
         self._w.writerow(("schema_version",) + FIELD_NAMES)
@@ -528,7 +534,7 @@ class CsvExporter(_Exporter):
                 self._w.writerow(row)
 
 
-def open_exporter(path: Union[str, os.PathLike]) -> _Exporter:
+def open_exporter(path: str | os.PathLike) -> _Exporter:
     """A JSONL or CSV exporter, chosen by the file's suffix.
 
     Raises:
@@ -542,15 +548,15 @@ def open_exporter(path: Union[str, os.PathLike]) -> _Exporter:
     raise ValueError(f"telemetry export path {p!r} must end in .jsonl or .csv")
 
 
-def read_jsonl(path: Union[str, os.PathLike]) -> Tuple[Dict[str, Any], List[Sample], List[dict]]:
+def read_jsonl(path: str | os.PathLike) -> tuple[dict[str, Any], list[Sample], list[dict]]:
     """Read a JSONL telemetry file back: (meta, samples, events).
 
     Raises:
         ValueError: not a memguard telemetry file, or a newer schema.
     """
-    meta: Dict[str, Any] = {}
-    samples: List[Sample] = []
-    events: List[dict] = []
+    meta: dict[str, Any] = {}
+    samples: list[Sample] = []
+    events: list[dict] = []
     with open(os.fspath(path), encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
