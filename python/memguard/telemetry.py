@@ -28,8 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Callable
 
-from typing_extensions import Self
-
 from memguard import _C
 from memguard.budget import parse_budget
 
@@ -262,7 +260,7 @@ class Sampler:
         """Whether the sampling thread runs."""
         return self._c.running
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Sampler:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -460,7 +458,7 @@ class _Exporter:
             if self._owns:
                 self._f.close()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> _Exporter:
         return self
 
     def __exit__(self, *exc: object) -> None:
