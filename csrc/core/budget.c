@@ -1,6 +1,7 @@
 /* Byte sizes and budgets as people write them: "12GiB", "512MB", "75%",
  * "auto". Locale-free and bounded, so the preload shim can use it before
- * anything else in the process is set up. */
+ * anything else in the process is set up. Integer arithmetic throughout:
+ * "2.2583GB" is 2258300000 bytes, not one less as a double product gives. */
 #include <ctype.h>
 #include <errno.h>
 #include <string.h>
@@ -8,11 +9,48 @@
 
 #include "mgi.h"
 
-/* Split text into a decimal number (integer part and fraction) and a unit
- * word, skipping blanks around both. */
-static int split_number(const char *t, uint64_t *ip, double *frac, char *unit, size_t ucap)
+/* Fraction digits kept; later ones move a size by under a thousandth of a
+ * byte, and a percentage of 2^64 bytes by under twenty. */
+#define FRAC_DIGITS 16
+
+/* A decimal as written: integer part, and the fraction as digits over a power
+ * of ten, so no binary rounding creeps in. */
+typedef struct number {
+    uint64_t ip;   /* integer part */
+    uint64_t fnum; /* fraction digits as one integer */
+    uint64_t fden; /* 10^(digits kept); 1 without a fraction */
+} number_t;
+
+/* Blanks around a number or a unit; '\n' too, as a value read from a file
+ * or an environment variable set by $(cat file) may end with one. */
+static int blank(char c)
 {
-    while (*t == ' ' || *t == '\t')
+    return c == ' ' || c == '\t' || c == '\n';
+}
+
+/* floor(a * b / den) for b <= den < 2^61 without 128-bit arithmetic: long
+ * multiplication over the bits of a, the remainder kept below den. */
+static uint64_t mul_div(uint64_t a, uint64_t b, uint64_t den)
+{
+    uint64_t q = 0, r = 0;
+    for (int bit = 63; bit >= 0; bit--) {
+        q <<= 1;
+        r <<= 1;
+        if ((a >> bit) & 1)
+            r += b;
+        while (r >= den) {
+            r -= den;
+            q++;
+        }
+    }
+    return q;
+}
+
+/* Split text into a decimal number and a unit word, skipping blanks around
+ * both. */
+static int split_number(const char *t, number_t *num, char *unit, size_t ucap)
+{
+    while (blank(*t))
         t++;
     if (!isdigit((unsigned char)*t))
         return EINVAL;
@@ -24,37 +62,32 @@ static int split_number(const char *t, uint64_t *ip, double *frac, char *unit, s
         v = v * 10 + d;
         t++;
     }
-    double f = 0;
+    num->ip = v;
+    num->fnum = 0;
+    num->fden = 1;
     if (*t == '.') {
-        /* digits as one integer, divided once, so "0.3" is exactly 0.3 */
-        uint64_t frac = 0, scale = 1;
         t++;
         if (!isdigit((unsigned char)*t))
             return EINVAL;
-        for (; isdigit((unsigned char)*t); t++) {
-            if (scale < 1000000000000000000ULL) {
-                frac = frac * 10 + (uint64_t)(*t - '0');
-                scale *= 10;
+        for (int kept = 0; isdigit((unsigned char)*t); t++, kept++) {
+            if (kept < FRAC_DIGITS) {
+                num->fnum = num->fnum * 10 + (uint64_t)(*t - '0');
+                num->fden *= 10;
             }
         }
-        f = (double)frac / (double)scale;
     }
-    while (*t == ' ' || *t == '\t')
+    while (blank(*t))
         t++;
     size_t n = 0;
-    while (*t && *t != ' ' && *t != '\t') {
+    while (*t && !blank(*t)) {
         if (n + 1 >= ucap)
             return EINVAL;
         unit[n++] = *t++;
     }
     unit[n] = '\0';
-    while (*t == ' ' || *t == '\t' || *t == '\n')
+    while (blank(*t))
         t++;
-    if (*t)
-        return EINVAL;
-    *ip = v;
-    *frac = f;
-    return 0;
+    return *t ? EINVAL : 0;
 }
 
 /* Multiplier of a unit word; 0 for an unknown unit. Single letters and
@@ -79,20 +112,19 @@ static uint64_t unit_scale(const char *u)
 
 int mg_parse_size(const char *text, uint64_t *out)
 {
-    uint64_t ip;
-    double frac;
+    number_t num;
     char unit[8];
     if (!text)
         return EINVAL;
-    int rc = split_number(text, &ip, &frac, unit, sizeof(unit));
+    int rc = split_number(text, &num, unit, sizeof(unit));
     if (rc)
         return rc;
     uint64_t scale = unit_scale(unit);
-    if (scale == 0 || (scale == 1 && frac != 0))
+    if (scale == 0 || (scale == 1 && num.fnum != 0))
         return EINVAL;
-    if (ip > UINT64_MAX / scale)
+    if (num.ip > UINT64_MAX / scale)
         return ERANGE;
-    uint64_t v = ip * scale, extra = (uint64_t)(frac * (double)scale);
+    uint64_t v = num.ip * scale, extra = mul_div(scale, num.fnum, num.fden);
     if (v > UINT64_MAX - extra)
         return ERANGE;
     *out = v + extra;
@@ -103,35 +135,38 @@ int mg_parse_budget(const char *text, uint64_t total, uint64_t available, uint64
 {
     if (!text)
         return EINVAL;
-    while (*text == ' ' || *text == '\t')
+    while (blank(*text))
         text++;
     size_t n = strlen(text);
-    while (n && (text[n - 1] == ' ' || text[n - 1] == '\t' || text[n - 1] == '\n'))
+    while (n && blank(text[n - 1]))
         n--;
     if (n == 4 && strncasecmp(text, "auto", 4) == 0) {
         uint64_t base = available && available < total ? available : total;
-        if (base == 0)
-            return EINVAL;
-        *out = base / 10 * 9;
+        uint64_t v = mul_div(base, 9, 10);
+        if (v == 0)
+            return EINVAL; /* a zero budget is no budget, as for "0" */
+        *out = v;
         return 0;
     }
     if (n && text[n - 1] == '%') {
-        char num[32];
-        uint64_t ip;
-        double frac;
+        char digits[32];
+        number_t pct;
         char unit[2];
-        if (n - 1 >= sizeof(num) || total == 0)
+        if (n - 1 >= sizeof(digits) || total == 0)
             return EINVAL;
-        memcpy(num, text, n - 1);
-        num[n - 1] = '\0';
-        int rc = split_number(num, &ip, &frac, unit, sizeof(unit));
+        memcpy(digits, text, n - 1);
+        digits[n - 1] = '\0';
+        int rc = split_number(digits, &pct, unit, sizeof(unit));
         if (rc || unit[0])
             return rc ? rc : EINVAL;
-        double pct = (double)ip + frac;
-        if (!(pct > 0) || pct > 100)
+        if (pct.ip > 100 || (pct.ip == 100 && pct.fnum) || (pct.ip == 0 && pct.fnum == 0))
             return ERANGE;
-        *out = (uint64_t)((double)total * (pct / 100.0));
-        return *out ? 0 : EINVAL;
+        /* total * pct / 100 exactly: 100% of any total is that total */
+        uint64_t v = mul_div(total, pct.ip * pct.fden + pct.fnum, 100 * pct.fden);
+        if (v == 0)
+            return EINVAL;
+        *out = v;
+        return 0;
     }
     uint64_t v;
     int rc = mg_parse_size(text, &v);

@@ -120,6 +120,7 @@ typedef struct mgi_sources {
     char proc_root[MGI_PATH_MAX];
     char cgroup_root[MGI_PATH_MAX];
     char cg_dir[MGI_PATH_MAX];      /* resolved cgroup directory */
+    char cg_mount[MGI_PATH_MAX];    /* the hierarchy's mount (v2 parent limits) */
 
     uint64_t page_size;             /* for statm */
     uint64_t maxrss_bytes;          /* peak RSS from getrusage (live only) */

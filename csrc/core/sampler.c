@@ -352,6 +352,13 @@ int mg_sampler_since(mg_sampler_t *s, uint64_t after_seq, mg_sample_t *out, size
     pthread_mutex_lock(&s->ring_lock);
     uint64_t newest = s->seq;
     uint64_t oldest = newest > s->ring_size ? newest - s->ring_size + 1 : 1;
+    if (after_seq >= newest) {
+        pthread_mutex_unlock(&s->ring_lock);
+        *n = 0;
+        if (dropped)
+            *dropped = 0;
+        return 0;
+    }
     uint64_t first = after_seq + 1;
     if (first < oldest) {
         lost = oldest - first;

@@ -36,13 +36,22 @@ static int strip_last(char *rel)
 /* Find the deepest existing directory mount+rel[..] holding @p probe. Inside a
  * cgroup namespace or a container the path in /proc/self/cgroup may name
  * directories the mount does not show, so walk up until one exists. */
+/* Does the cgroup path have a ".." component? */
+static int climbs(const char *rel)
+{
+    size_t n = strlen(rel);
+    return strstr(rel, "/../") != NULL || (n >= 3 && strcmp(rel + n - 3, "/..") == 0);
+}
+
 static int find_cg_dir(const char *mount, const char *rel_in, const char *probe,
                        char *dir, size_t cap)
 {
     char rel[MGI_CGPATH_MAX];
     char file[MGI_PATH_MAX];
     snprintf(rel, sizeof(rel), "%s", rel_in);
-    if (strcmp(rel, "/") == 0)
+    /* Outside a namespace's root the path climbs with "..": joined to the
+     * mount it would leave it, so start from the mount's root instead. */
+    if (strcmp(rel, "/") == 0 || climbs(rel))
         rel[0] = '\0';
     for (;;) {
         if (mgi_join(dir, cap, mount, rel, NULL) == 0 &&
@@ -106,7 +115,7 @@ static void locate_cgroup(mgi_sources_t *src)
             find_cg_dir(src->cgroup_root, cg.v2, "memory.current", src->cg_dir,
                         sizeof(src->cg_dir)) == 0) {
             src->cg_version = 2;
-            src->cg_parent_limit = v2_parent_limit(src->cgroup_root, src->cg_dir);
+            snprintf(src->cg_mount, sizeof(src->cg_mount), "%s", src->cgroup_root);
         }
         return;
     }
@@ -121,7 +130,7 @@ static void locate_cgroup(mgi_sources_t *src)
     if (cg.have_v2 && mgi_join(mount, sizeof(mount), src->cgroup_root, "/unified", NULL) == 0 &&
         find_cg_dir(mount, cg.v2, "memory.current", src->cg_dir, sizeof(src->cg_dir)) == 0) {
         src->cg_version = 2;
-        src->cg_parent_limit = v2_parent_limit(mount, src->cg_dir);
+        snprintf(src->cg_mount, sizeof(src->cg_mount), "%s", mount);
     }
 }
 
@@ -191,7 +200,7 @@ static int rd(mgi_sources_t *src, int i, char *buf, size_t *len)
     return mgi_pread_file(src->fd[i], buf, MGI_READ_BUF, len);
 }
 
-/* A limit of "max", v1's huge sentinel, or one above physical memory means none. */
+/* A limit of "max" (v2) or v1's huge page-rounded sentinel means none. */
 static int real_limit(uint64_t v, int unlimited)
 {
     return !unlimited && v > 0 && v < MGI_V1_UNLIMITED;
@@ -203,20 +212,28 @@ static double rate(uint64_t prev, uint64_t cur, double seconds)
     return cur >= prev ? (double)(cur - prev) / seconds : 0.0;
 }
 
-/* cgroup usage and (v2) cgroup PSI, into the sample. */
+/* cgroup usage, into the sample. */
 static void read_cg_usage(mgi_sources_t *src, mg_sample_t *s, char *buf)
 {
     size_t len;
     const char *why;
     uint64_t v;
     int unlimited;
-    mgi_psi_t psi;
     if (rd(src, MGI_SRC_CG_USAGE, buf, &len) || mgi_parse_limit(buf, len, &v, &unlimited, &why) ||
         unlimited)
         return;
     s->have |= MG_HAVE_CGROUP;
     s->cgroup_version = src->cg_version;
     s->cgroup_usage_bytes = v;
+}
+
+/* v2 cgroup PSI, into the sample. Stall totals move fast and their rate
+ * needs two samples in a row, so it is read on every sample, limit or not. */
+static void read_cg_psi(mgi_sources_t *src, mg_sample_t *s, char *buf)
+{
+    size_t len;
+    const char *why;
+    mgi_psi_t psi;
     if (rd(src, MGI_SRC_CG_PSI, buf, &len) == 0 && mgi_parse_psi(buf, len, &psi, &why) == 0 &&
         psi.have_full) {
         s->have |= MG_HAVE_CGROUP_PSI;
@@ -274,6 +291,8 @@ static void read_fast(mgi_sources_t *src, mg_sample_t *s, char *buf)
      * slow sources instead of every sample. */
     if (src->cg_version && (src->slow.cg_limit || src->slow_at_ns == 0))
         read_cg_usage(src, s, buf);
+    if (src->cg_version == 2)
+        read_cg_psi(src, s, buf);
 }
 
 /* Re-read the slow sources into src's cache; swap rates span the time since
@@ -312,6 +331,8 @@ static void refresh_slow(mgi_sources_t *src, mg_sample_t *s, char *buf)
         read_cg_usage(src, s, buf);
     c->have_cg_usage = (s->have & MG_HAVE_CGROUP) != 0;
     c->cg_usage = s->cgroup_usage_bytes;
+    if (src->cg_version == 2) /* limits above ours can change too */
+        src->cg_parent_limit = v2_parent_limit(src->cg_mount, src->cg_dir);
     if (src->cg_version) {
         if (rd(src, MGI_SRC_CG_LIMIT, buf, &len) == 0 &&
             mgi_parse_limit(buf, len, &v, &unlimited, &why) == 0 && real_limit(v, unlimited))

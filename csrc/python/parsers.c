@@ -73,6 +73,10 @@ PyObject *mgpy_parse(PyObject *m, PyObject *args, PyObject *kw)
                       set_f(d, "full_avg60", x.full_avg60) ||
                       set_u(d, "full_total_us", x.full_total_us);
         }
+    } else if (strcmp(kind, "statm") == 0) {
+        uint64_t rss;
+        if (!(rc = mgi_parse_statm(b, len, 4096, &rss, &why)))
+            err = set_u(d, "rss_bytes", rss); /* pages of 4 KiB */
     } else if (strcmp(kind, "stat") == 0) {
         mgi_faults_t x;
         if (!(rc = mgi_parse_stat(b, len, &x, &why)))
@@ -98,7 +102,8 @@ PyObject *mgpy_parse(PyObject *m, PyObject *args, PyObject *kw)
     } else if (strcmp(kind, "cgevents") == 0) {
         mgi_cgevents_t x;
         if (!(rc = mgi_parse_cgevents(b, len, version, &x, &why)))
-            err = set_u(d, "oom", x.oom) ||
+            /* v1 counts kills only: without the oom_kill line there is no count */
+            err = set_opt_u(d, "oom", version == 2 || x.have_oom_kill, x.oom) ||
                   set_opt_u(d, "oom_kill", x.have_oom_kill, x.oom_kill);
     } else {
         PyErr_Format(PyExc_ValueError, "unknown parser kind %R", PyTuple_GET_ITEM(args, 0));
