@@ -1,6 +1,7 @@
 """The C unit tests: each tests/c/test_*.c is built with the C core and run,
-plain (-O2) and under AddressSanitizer + UndefinedBehaviorSanitizer, from
-build/ctest/<flavour>/. A binary passes when it exits 0; its output is shown
+plain (-O2), under AddressSanitizer + UndefinedBehaviorSanitizer, and under
+ThreadSanitizer, from build/ctest/<flavour>/, and the plain build once more
+under valgrind memcheck. A binary passes when it exits 0; its output is shown
 when it does not.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ FLAVOURS = {
     # double too large for uint64_t is the classic way budget arithmetic breaks.
     "asan": ["-O1", "-g", "-fsanitize=address,undefined,float-cast-overflow",
              "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"],
+    # data races between the sampler thread and its readers, stop and fork handlers
+    "tsan": ["-O1", "-g", "-fsanitize=thread"],
 }
 LIBS = ["-lpthread", "-lm"]
 
@@ -122,6 +125,18 @@ def _sanitizer_probe() -> bool | None:
     return "detected memory leaks" in proc.stderr
 
 
+def _can_build(flags: list[str]) -> bool:
+    """Whether this compiler links a trivial program with these flags."""
+    BUILD.mkdir(parents=True, exist_ok=True)
+    src, exe = BUILD / "flags_probe.c", BUILD / "flags_probe"
+    src.write_text("int main(void) { return 0; }\n")
+    try:
+        _compile([*CC_CMD, *flags, str(src)], exe)
+    except RuntimeError:
+        return False
+    return subprocess.run([str(exe)], check=False, capture_output=True).returncode == 0
+
+
 _built: dict[str, dict[str, pathlib.Path]] = {}
 _env: dict[str, dict[str, str]] = {}
 _skip: dict[str, str] = {}
@@ -143,6 +158,12 @@ def flavour(request) -> str:
                 pytest.skip(_skip[name])
             env["ASAN_OPTIONS"] = f"detect_leaks={int(leaks)}:halt_on_error=1:abort_on_error=0"
             env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
+        if name == "tsan":
+            if not _can_build(FLAVOURS["tsan"]):
+                _skip[name] = f"{CC} cannot build with -fsanitize=thread here"
+                pytest.skip(_skip[name])
+            env["TSAN_OPTIONS"] = "halt_on_error=1:exitcode=66:die_after_fork=0"
+            env["MGTEST_SKIP_FORK"] = "1"
         _env[name] = env
     if name not in _built:
         _built[name] = _build(name)
@@ -156,3 +177,25 @@ def test_c(flavour: str, test: str) -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, (
         f"{test} [{flavour}] exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+
+
+VALGRIND = shutil.which("valgrind")
+
+
+@pytest.mark.skipif(VALGRIND is None, reason="valgrind is not installed")
+@pytest.mark.parametrize("test", [p.stem for p in CTESTS])
+def test_c_valgrind(test: str) -> None:
+    """The plain binaries again under memcheck: invalid reads and writes,
+    uninitialised values, and definite leaks fail the test."""
+    if "plain" not in _built:
+        _env.setdefault("plain", {k: v for k, v in os.environ.items()
+                                  if not k.startswith("MEMGUARD_")} | {
+                                      "MGTEST_FIXTURES": str(FIXTURES)})
+        _built["plain"] = _build("plain")
+    exe = _built["plain"][test]
+    proc = subprocess.run(
+        [VALGRIND, "-q", "--error-exitcode=99", "--leak-check=full",
+         "--errors-for-leak-kinds=definite", str(exe), str(FIXTURES)],
+        cwd=ROOT, env=_env["plain"], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, (
+        f"{test} [valgrind] exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
