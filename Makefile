@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEPS   := $(VENV)/.memguard-deps
 EXT    := python/memguard/_C$(shell $(PYTHON) -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
-CSRC   := $(wildcard csrc/core/*.c csrc/core/*.h csrc/python/*.c csrc/python/*.h include/memguard/*.h)
+CSRC   := $(wildcard csrc/*/*.c csrc/*/*.h include/memguard/*.h)
 
 .PHONY: all build test ctest demo bench lint clean
 

@@ -16,16 +16,17 @@ CFLAGS = [
 ]
 
 core = sorted(glob("csrc/core/*.c"))
+shim = sorted(f for f in glob("csrc/shim/*.c") if not f.endswith("preload.c"))
 binding = sorted(glob("csrc/python/*.c"))
 
 setup(
     ext_modules=[
         Extension(
             "memguard._C",
-            sources=core + binding,
-            include_dirs=["include", "csrc/core", "csrc/python"],
+            sources=core + shim + binding,
+            include_dirs=["include", "csrc/core", "csrc/shim", "csrc/python"],
             extra_compile_args=CFLAGS,
-            libraries=["pthread", "m"],
+            libraries=["pthread", "m", "dl"],
         )
     ],
 )

@@ -35,6 +35,15 @@ PyObject *mgpy_option_set(PyObject *m, PyObject *args);
 PyObject *mgpy_option_names(PyObject *m, PyObject *unused);
 PyObject *mgpy_option_warnings(PyObject *m, PyObject *unused);
 
+/* arena.c */
+PyObject *mgpy_install(PyObject *m, PyObject *args);
+PyObject *mgpy_uninstall(PyObject *m, PyObject *unused);
+PyObject *mgpy_installed(PyObject *m, PyObject *unused);
+PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused);
+PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg);
+PyObject *mgpy_arena_trim(PyObject *m, PyObject *args);
+PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused);
+
 /* sampler.c, pressure.c: type specs */
 extern PyType_Spec mgpy_sampler_spec;
 extern PyType_Spec mgpy_pressure_spec;

@@ -26,6 +26,15 @@ static PyMethodDef methods[] = {
     {"option_warnings", mgpy_option_warnings, METH_NOARGS,
      "Warnings about bad MEMGUARD_* values, each returned once."},
     {"sample_fields", sample_fields, METH_NOARGS, "Field names of a sample dict."},
+    {"install", mgpy_install, METH_VARARGS,
+     "install(prefix='libc10.so') -> slots rewritten: route its tensor memory to the arena."},
+    {"uninstall", mgpy_uninstall, METH_NOARGS, "Give posix_memalign back (free stays hooked)."},
+    {"installed", mgpy_installed, METH_NOARGS, "Whether the allocator is installed."},
+    {"arena_stats", mgpy_arena_stats, METH_NOARGS, "The arena's counters as a flat dict."},
+    {"arena_set_budget", mgpy_arena_set_budget, METH_O, "Budget in bytes (0: none)."},
+    {"arena_trim", mgpy_arena_trim, METH_VARARGS,
+     "arena_trim(keep=0) -> bytes given back to the kernel from the cache."},
+    {"arena_reset_peaks", mgpy_arena_reset_peaks, METH_NOARGS, "Peaks := current values."},
     {NULL, NULL, 0, NULL},
 };
 

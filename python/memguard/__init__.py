@@ -11,8 +11,9 @@ level; this package exposes it::
         sampler.on_pressure(lambda ev: print(ev.new, ev.sample.reasons))
         ...
 """
-from memguard import telemetry
+from memguard import allocator, telemetry
 from memguard._options import configure, option, options
+from memguard.allocator import install, installed, is_oom, stats, trim, uninstall
 from memguard.budget import parse_budget
 from memguard.telemetry import Level, PressureEvent, Sample, Sampler, sample
 
@@ -20,6 +21,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Level",
+    "allocator",
+    "install",
+    "installed",
+    "is_oom",
+    "stats",
+    "trim",
+    "uninstall",
     "PressureEvent",
     "Sample",
     "Sampler",

@@ -1,0 +1,461 @@
+/* The budgeted caching arena. One reserved address range holds everything,
+ * so ownership is a range check: [base, mid) is carved into 2 MiB slab
+ * chunks for small blocks (size classes up to 256 KiB, found on free through
+ * a chunk map), [mid, end) into large blocks with a 64-byte header in front.
+ * Freed blocks stay cached in per-class free lists; cached large blocks can
+ * be given back to the kernel (MADV_DONTNEED) and keep their address range.
+ *
+ * The budget bounds reserved bytes (allocated + cached + slab space) by an
+ * atomic reserve, compare, roll back; before failing, the allocation releases
+ * cached blocks. Nothing here calls Python or blocks on anything but a
+ * short, leaf-level mutex; other classes' locks are only ever try-locked. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "memguard/memguard-arena.h"
+#include "mgi.h"
+
+#define CHUNK_SHIFT 21
+#define CHUNK ((size_t)1 << CHUNK_SHIFT)
+#define SMALL_MAX ((size_t)256 << 10)
+#define HDR 64
+#define N_SMALL 48      /* classes up to SMALL_MAX: 8 + 4 per doubling from 512 */
+#define N_CLASSES 256
+#define LARGE_MAGIC 0x6d676c6172676521ULL /* "mglarge!" */
+
+/* Lives in the first bytes of every large block, HDR bytes before the
+ * pointer handed out. */
+typedef struct large_hdr {
+    uint64_t magic;
+    char *block;               /* start of the block */
+    size_t block_size;         /* its class size */
+    size_t requested;          /* what the caller asked for */
+    struct large_hdr *next;    /* free-list link while cached */
+    uint32_t cls;
+    uint32_t released;         /* pages past the first were given back */
+} large_hdr_t;
+
+_Static_assert(sizeof(large_hdr_t) <= HDR, "large header must fit before the pointer");
+
+typedef struct small_free {
+    struct small_free *next;
+} small_free_t;
+
+typedef struct cls {
+    pthread_mutex_t lock;      /* guards everything below */
+    void *free;                /* small_free_t* or large_hdr_t* */
+    char *bump, *bump_end;     /* small: the slab chunk being carved */
+} cls_t;
+
+static struct {
+    char *base, *mid, *end;    /* immutable after init */
+    size_t page;
+    uint16_t *chunk_cls;       /* slab chunk -> class + 1; written under grow_lock */
+    pthread_mutex_t grow_lock; /* guards slab_next, large_next; a leaf lock */
+    char *slab_next, *large_next;
+    cls_t small[N_SMALL];      /* free lists of small_free_t */
+    cls_t large[N_CLASSES];    /* free lists of large_hdr_t */
+    _Atomic uint64_t allocated, allocated_peak, reserved, reserved_peak;
+    _Atomic uint64_t requested, requested_peak, cached, budget;
+    _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed;
+} A;
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static int init_rc = EAGAIN;
+
+/* Size class of n bytes: multiples of 64 up to 512, then four per doubling
+ * (so at most 25 % rounding); every class size is a multiple of 64. */
+static unsigned class_of(size_t n, size_t *csize)
+{
+    if (n <= 512) {
+        unsigned c = n ? (unsigned)((n + 63) / 64) - 1 : 0;
+        *csize = (size_t)(c + 1) * 64;
+        return c;
+    }
+    unsigned e = 63u - (unsigned)__builtin_clzll((unsigned long long)(n - 1));
+    size_t step = (size_t)1 << (e - 2);
+    size_t k = (n + step - 1) / step; /* 5..8 */
+    *csize = k * step;
+    return 8 + (e - 9) * 4 + (unsigned)(k - 5);
+}
+
+/* Size of small class c, the inverse of class_of. */
+static size_t class_size(unsigned c)
+{
+    if (c < 8)
+        return (size_t)(c + 1) * 64;
+    unsigned e = (c - 8) / 4 + 9, k = (c - 8) % 4 + 5;
+    return (size_t)k << (e - 2);
+}
+
+static void peak(_Atomic uint64_t *peak_v, uint64_t now)
+{
+    uint64_t p = atomic_load_explicit(peak_v, memory_order_relaxed);
+    while (now > p && !atomic_compare_exchange_weak_explicit(peak_v, &p, now,
+                                                             memory_order_relaxed,
+                                                             memory_order_relaxed))
+        ;
+}
+
+/* Fork: take every lock (classes before grow_lock, the allocation order). */
+static void lock_all(void)
+{
+    for (int i = 0; i < N_SMALL; i++)
+        pthread_mutex_lock(&A.small[i].lock);
+    for (int i = 0; i < N_CLASSES; i++)
+        pthread_mutex_lock(&A.large[i].lock);
+    pthread_mutex_lock(&A.grow_lock);
+}
+
+static void unlock_all(void)
+{
+    pthread_mutex_unlock(&A.grow_lock);
+    for (int i = N_CLASSES - 1; i >= 0; i--)
+        pthread_mutex_unlock(&A.large[i].lock);
+    for (int i = N_SMALL - 1; i >= 0; i--)
+        pthread_mutex_unlock(&A.small[i].lock);
+}
+
+/* A forked child (a DataLoader worker) inherits the arena whole; only the
+ * locks need re-making, as their holders did not come along. */
+static void reinit_locks(void)
+{
+    for (int i = 0; i < N_SMALL; i++)
+        pthread_mutex_init(&A.small[i].lock, NULL);
+    for (int i = 0; i < N_CLASSES; i++)
+        pthread_mutex_init(&A.large[i].lock, NULL);
+    pthread_mutex_init(&A.grow_lock, NULL);
+}
+
+static void do_init(void)
+{
+    A.page = (size_t)sysconf(_SC_PAGESIZE);
+    /* Reserve address space only (PROT_NONE costs no commit charge); the
+     * largest that the system allows, from 1 TiB down to 8 GiB. */
+    size_t want = (size_t)1 << 40;
+    char *raw = MAP_FAILED;
+    for (; want >= ((size_t)8 << 30); want >>= 1) {
+        raw = mmap(NULL, want + CHUNK, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+        if (raw != MAP_FAILED)
+            break;
+    }
+    if (raw == MAP_FAILED) {
+        init_rc = ENOMEM;
+        return;
+    }
+    char *base = (char *)(((uintptr_t)raw + CHUNK - 1) & ~(uintptr_t)(CHUNK - 1));
+    if (base > raw)
+        munmap(raw, (size_t)(base - raw));
+    munmap(base + want, (size_t)(raw + want + CHUNK - base - want));
+    size_t n_chunks = want / 4 / CHUNK; /* a quarter for slabs */
+    void *map = mmap(NULL, n_chunks * sizeof(uint16_t), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (map == MAP_FAILED) {
+        munmap(base, want);
+        init_rc = ENOMEM;
+        return;
+    }
+    A.chunk_cls = map;
+    A.base = A.slab_next = base;
+    A.mid = A.large_next = base + n_chunks * CHUNK;
+    A.end = base + want;
+    reinit_locks();
+    pthread_atfork(lock_all, unlock_all, reinit_locks);
+    init_rc = 0;
+}
+
+int mg_arena_init(void)
+{
+    pthread_once(&init_once, do_init);
+    return init_rc;
+}
+
+int mg_arena_owns(const void *p)
+{
+    return (const char *)p >= A.base && (const char *)p < A.end;
+}
+
+/* Make [p, p+n) usable; huge pages where the kernel allows (THP "madvise"). */
+static int commit(char *p, size_t n)
+{
+    if (mprotect(p, n, PROT_READ | PROT_WRITE) != 0)
+        return errno;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, n, MADV_HUGEPAGE);
+#endif
+    return 0;
+}
+
+/* Give cached large blocks back to the kernel until at most keep bytes stay
+ * cached. try=1 skips classes whose lock is busy (the allocation path may
+ * hold one already). */
+static uint64_t release_cache(uint64_t keep, int try)
+{
+    uint64_t freed = 0;
+    for (int i = N_CLASSES - 1; i >= 0 && atomic_load(&A.cached) > keep; i--) {
+        cls_t *k = &A.large[i];
+        if (try ? pthread_mutex_trylock(&k->lock) != 0 : pthread_mutex_lock(&k->lock) != 0)
+            continue;
+        for (large_hdr_t *h = k->free; h && atomic_load(&A.cached) > keep; h = h->next) {
+            if (h->released)
+                continue;
+            size_t skip = A.page; /* the header's page stays */
+            if (h->block_size > skip)
+                (void)madvise(h->block + skip, h->block_size - skip, MADV_DONTNEED);
+            h->released = 1;
+            atomic_fetch_sub(&A.cached, h->block_size);
+            atomic_fetch_sub(&A.reserved, h->block_size);
+            freed += h->block_size;
+        }
+        pthread_mutex_unlock(&k->lock);
+    }
+    if (freed) {
+        atomic_fetch_add(&A.n_trim, 1);
+        atomic_fetch_add(&A.trimmed, freed);
+    }
+    return freed;
+}
+
+/* Count bytes as reserved if the budget allows, releasing cache first when
+ * it does not. 0 or ENOMEM. */
+static int reserve(uint64_t bytes)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
+        uint64_t now = atomic_fetch_add(&A.reserved, bytes) + bytes;
+        if (!budget || now <= budget) {
+            peak(&A.reserved_peak, now);
+            return 0;
+        }
+        atomic_fetch_sub(&A.reserved, bytes);
+        if (attempt == 0 && release_cache(0, 1) == 0)
+            break;
+    }
+    return ENOMEM;
+}
+
+static char *carve_slab_chunk(unsigned c)
+{
+    char *p = NULL;
+    pthread_mutex_lock(&A.grow_lock);
+    if (A.slab_next + CHUNK <= A.mid && commit(A.slab_next, CHUNK) == 0) {
+        p = A.slab_next;
+        A.slab_next += CHUNK;
+        A.chunk_cls[(size_t)(p - A.base) >> CHUNK_SHIFT] = (uint16_t)(c + 1);
+    }
+    pthread_mutex_unlock(&A.grow_lock);
+    return p;
+}
+
+static char *carve_large(size_t n)
+{
+    char *p = NULL;
+    pthread_mutex_lock(&A.grow_lock);
+    if ((size_t)(A.end - A.large_next) >= n && commit(A.large_next, n) == 0) {
+        p = A.large_next;
+        A.large_next += n;
+    }
+    pthread_mutex_unlock(&A.grow_lock);
+    return p;
+}
+
+static void count_alloc(size_t block, size_t requested, int hit)
+{
+    peak(&A.allocated_peak, atomic_fetch_add(&A.allocated, block) + block);
+    peak(&A.requested_peak, atomic_fetch_add(&A.requested, requested) + requested);
+    atomic_fetch_add_explicit(&A.n_alloc, 1, memory_order_relaxed);
+    if (hit)
+        atomic_fetch_add_explicit(&A.n_hit, 1, memory_order_relaxed);
+}
+
+static int small_alloc(size_t size, void **out)
+{
+    size_t csize;
+    unsigned c = class_of(size, &csize);
+    cls_t *k = &A.small[c];
+    void *p = NULL;
+    int hit = 0;
+    pthread_mutex_lock(&k->lock);
+    if (k->free) {
+        small_free_t *f = k->free;
+        k->free = f->next;
+        p = f;
+        hit = 1;
+    } else {
+        if (k->bump + csize > k->bump_end || !k->bump) {
+            char *chunk = reserve(CHUNK) == 0 ? carve_slab_chunk(c) : NULL;
+            if (!chunk) { /* over budget, or the slab range is used up */
+                pthread_mutex_unlock(&k->lock);
+                return ENOMEM;
+            }
+            /* blocks never straddle chunks; the tail of the old one is lost */
+            k->bump = chunk;
+            k->bump_end = chunk + CHUNK;
+        }
+        p = k->bump;
+        k->bump += csize;
+    }
+    pthread_mutex_unlock(&k->lock);
+    count_alloc(csize, csize, hit);
+    *out = p;
+    return 0;
+}
+
+static int large_alloc(size_t size, size_t align, void **out)
+{
+    size_t off = align > HDR ? align : HDR;
+    if (size > (size_t)(A.end - A.mid) - off)
+        return ENOMEM;
+    size_t csize;
+    unsigned c = class_of(size + off, &csize);
+    csize = (csize + A.page - 1) & ~(A.page - 1);
+    cls_t *k = &A.large[c];
+    large_hdr_t *h = NULL;
+    int hit = 0;
+    pthread_mutex_lock(&k->lock);
+    /* a cached block whose pointer offset fits this alignment */
+    for (large_hdr_t **pp = (large_hdr_t **)&k->free; *pp; pp = &(*pp)->next) {
+        large_hdr_t *b = *pp;
+        if (((uintptr_t)(b->block + off) & (align - 1)) == 0) {
+            if (b->released && reserve(b->block_size) != 0)
+                break;
+            *pp = b->next;
+            if (!b->released)
+                atomic_fetch_sub(&A.cached, b->block_size);
+            h = b;
+            hit = 1;
+            break;
+        }
+    }
+    if (!h) {
+        char *block = reserve(csize) == 0 ? carve_large(csize) : NULL;
+        if (!block) {
+            pthread_mutex_unlock(&k->lock);
+            return ENOMEM;
+        }
+        h = (large_hdr_t *)(block + off - HDR);
+        h->block = block;
+        h->block_size = csize;
+        h->cls = c;
+    } else if (h != (large_hdr_t *)(h->block + off - HDR)) {
+        /* same block, another alignment: move the header */
+        large_hdr_t copy = *h;
+        h = (large_hdr_t *)(copy.block + off - HDR);
+        *h = copy;
+    }
+    h->magic = LARGE_MAGIC;
+    h->released = 0;
+    h->next = NULL;
+    h->requested = size;
+    pthread_mutex_unlock(&k->lock);
+    count_alloc(h->block_size, size, hit);
+    *out = (char *)h + HDR;
+    return 0;
+}
+
+int mg_arena_alloc(size_t size, size_t align, void **out)
+{
+    if (align == 0 || (align & (align - 1)) || align > CHUNK)
+        return EINVAL;
+    int rc = mg_arena_init();
+    if (rc)
+        return rc;
+    if (size == 0)
+        size = 1;
+    size_t csize;
+    class_of(size, &csize);
+    if (align <= 64 && csize <= SMALL_MAX)
+        rc = small_alloc(size, out);
+    else
+        rc = large_alloc(size, align, out);
+    if (rc)
+        atomic_fetch_add_explicit(&A.n_oom, 1, memory_order_relaxed);
+    return rc;
+}
+
+void mg_arena_free(void *p)
+{
+    char *q = p;
+    if (q < A.mid) {
+        unsigned c = (unsigned)A.chunk_cls[(size_t)(q - A.base) >> CHUNK_SHIFT] - 1;
+        size_t csize = class_size(c);
+        cls_t *k = &A.small[c];
+        pthread_mutex_lock(&k->lock);
+        ((small_free_t *)q)->next = k->free;
+        k->free = q;
+        pthread_mutex_unlock(&k->lock);
+        atomic_fetch_sub(&A.allocated, csize);
+        atomic_fetch_sub(&A.requested, csize);
+    } else {
+        large_hdr_t *h = (large_hdr_t *)(q - HDR);
+        cls_t *k = &A.large[h->cls];
+        size_t bs = h->block_size, req = h->requested;
+        pthread_mutex_lock(&k->lock);
+        h->next = k->free;
+        k->free = h;
+        atomic_fetch_add(&A.cached, bs);
+        pthread_mutex_unlock(&k->lock);
+        atomic_fetch_sub(&A.allocated, bs);
+        atomic_fetch_sub(&A.requested, req);
+    }
+    atomic_fetch_add_explicit(&A.n_free, 1, memory_order_relaxed);
+}
+
+size_t mg_arena_usable_size(const void *p)
+{
+    const char *q = p;
+    if (q < A.mid)
+        return class_size((unsigned)A.chunk_cls[(size_t)(q - A.base) >> CHUNK_SHIFT] - 1);
+    const large_hdr_t *h = (const large_hdr_t *)(q - HDR);
+    return (size_t)(h->block + h->block_size - q);
+}
+
+void mg_arena_set_budget(uint64_t bytes)
+{
+    atomic_store(&A.budget, bytes);
+    if (bytes && init_rc == 0 && atomic_load(&A.reserved) > bytes)
+        release_cache(0, 0);
+}
+
+int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed)
+{
+    uint64_t f = init_rc == 0 ? release_cache(keep_bytes, 0) : 0;
+    if (freed)
+        *freed = f;
+    return 0;
+}
+
+int mg_arena_stats(mg_arena_stats_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->size = sizeof(*o);
+    o->version = MG_ARENA_STATS_VERSION;
+    o->allocated_current = o->active_current = atomic_load(&A.allocated);
+    o->allocated_peak = o->active_peak = atomic_load(&A.allocated_peak);
+    o->reserved_current = atomic_load(&A.reserved);
+    o->reserved_peak = atomic_load(&A.reserved_peak);
+    o->requested_current = atomic_load(&A.requested);
+    o->requested_peak = atomic_load(&A.requested_peak);
+    o->cached_bytes = atomic_load(&A.cached);
+    o->budget_bytes = atomic_load(&A.budget);
+    o->reserve_bytes = (uint64_t)(A.end - A.base);
+    o->num_allocs = atomic_load(&A.n_alloc);
+    o->num_frees = atomic_load(&A.n_free);
+    o->num_cache_hits = atomic_load(&A.n_hit);
+    o->num_ooms = atomic_load(&A.n_oom);
+    o->num_trims = atomic_load(&A.n_trim);
+    o->trimmed_bytes = atomic_load(&A.trimmed);
+    return 0;
+}
+
+void mg_arena_reset_peaks(void)
+{
+    atomic_store(&A.allocated_peak, atomic_load(&A.allocated));
+    atomic_store(&A.reserved_peak, atomic_load(&A.reserved));
+    atomic_store(&A.requested_peak, atomic_load(&A.requested));
+}

@@ -1,0 +1,115 @@
+/* Python access to the arena and the in-process install. */
+#include <errno.h>
+
+#include "memguard/memguard-arena.h"
+#include "mgpy.h"
+
+PyObject *mgpy_install(PyObject *m, PyObject *args)
+{
+    (void)m;
+    const char *prefix = "libc10.so";
+    int slots = 0, rc;
+    if (!PyArg_ParseTuple(args, "|s", &prefix))
+        return NULL;
+    rc = mg_install(prefix, &slots);
+    switch (rc) {
+    case 0:
+        return PyLong_FromLong(slots);
+    case ENOENT:
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s is not loaded in this process: import torch before installing "
+                     "memguard's allocator", prefix);
+        return NULL;
+    case ESRCH:
+        PyErr_Format(PyExc_RuntimeError,
+                     "%s does not import posix_memalign and free: this torch build "
+                     "allocates CPU tensors some other way, which memguard cannot route",
+                     prefix);
+        return NULL;
+    case ENOTSUP:
+        PyErr_SetString(PyExc_RuntimeError,
+                        "memguard's in-process allocator needs Linux on x86-64 or aarch64 "
+                        "(ELF import slots)");
+        return NULL;
+    default:
+        return mgpy_raise(rc, "cannot install memguard's allocator");
+    }
+}
+
+PyObject *mgpy_uninstall(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    int rc = mg_uninstall();
+    if (rc)
+        return mgpy_raise(rc, "cannot uninstall memguard's allocator");
+    Py_RETURN_NONE;
+}
+
+PyObject *mgpy_installed(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return PyBool_FromLong(mg_installed());
+}
+
+PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    mg_arena_stats_t s;
+    mg_arena_stats(&s);
+    return Py_BuildValue(
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "allocated_bytes.current", (unsigned long long)s.allocated_current,
+        "allocated_bytes.peak", (unsigned long long)s.allocated_peak,
+        "reserved_bytes.current", (unsigned long long)s.reserved_current,
+        "reserved_bytes.peak", (unsigned long long)s.reserved_peak,
+        "active_bytes.current", (unsigned long long)s.active_current,
+        "active_bytes.peak", (unsigned long long)s.active_peak,
+        "requested_bytes.current", (unsigned long long)s.requested_current,
+        "requested_bytes.peak", (unsigned long long)s.requested_peak,
+        "cached_bytes", (unsigned long long)s.cached_bytes,
+        "budget_bytes", (unsigned long long)s.budget_bytes,
+        "num_allocs", (unsigned long long)s.num_allocs,
+        "num_frees", (unsigned long long)s.num_frees,
+        "num_cache_hits", (unsigned long long)s.num_cache_hits,
+        "num_ooms", (unsigned long long)s.num_ooms,
+        "num_trims", (unsigned long long)s.num_trims,
+        "trimmed_bytes", (unsigned long long)s.trimmed_bytes,
+        "reserve_bytes", (unsigned long long)s.reserve_bytes);
+}
+
+PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    int rc = mg_arena_init();
+    if (rc)
+        return mgpy_raise(rc, "cannot reserve an address range for the arena");
+    mg_arena_set_budget(b);
+    Py_RETURN_NONE;
+}
+
+PyObject *mgpy_arena_trim(PyObject *m, PyObject *args)
+{
+    (void)m;
+    unsigned long long keep = 0;
+    uint64_t freed = 0;
+    if (!PyArg_ParseTuple(args, "|K", &keep))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mg_arena_trim(keep, &freed);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(freed);
+}
+
+PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    mg_arena_reset_peaks();
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,79 @@
+/**
+ * @file memguard-arena.h
+ * @brief memguard's budgeted caching arena for tensor memory.
+ *
+ * One process-wide arena inside one reserved address range, so "is this
+ * pointer ours" is a range check. Blocks come in size classes (four per
+ * doubling) and freed blocks stay cached for reuse; cached large blocks are
+ * given back to the kernel (MADV_DONTNEED) on request or before an
+ * allocation would pass the budget. The budget bounds reserved memory:
+ * allocated blocks plus cached ones plus the slabs small blocks live in.
+ */
+#ifndef MEMGUARD_ARENA_H
+#define MEMGUARD_ARENA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "memguard.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MG_ARENA_STATS_VERSION 1
+
+/** Counters in PyTorch's vocabulary; bytes are block sizes except requested. */
+typedef struct mg_arena_stats {
+    uint32_t size;    /**< sizeof(mg_arena_stats_t) of the writer */
+    uint32_t version; /**< MG_ARENA_STATS_VERSION */
+    uint64_t allocated_current, allocated_peak; /**< blocks handed out */
+    uint64_t reserved_current, reserved_peak;   /**< allocated + cached + slab space */
+    uint64_t active_current, active_peak;       /**< = allocated on the CPU */
+    uint64_t requested_current, requested_peak; /**< sizes callers asked for */
+    uint64_t cached_bytes;    /**< freed large blocks kept resident for reuse */
+    uint64_t budget_bytes;    /**< 0: none */
+    uint64_t reserve_bytes;   /**< address space reserved */
+    uint64_t num_allocs, num_frees, num_cache_hits, num_ooms, num_trims;
+    uint64_t trimmed_bytes;   /**< given back to the kernel by trims, in all */
+} mg_arena_stats_t;
+
+/** Create the arena (idempotent). ENOMEM when no address range could be reserved. */
+MG_API int mg_arena_init(void);
+/** Allocate @p size bytes aligned to @p align (a power of two, at most 2 MiB).
+ * ENOMEM when the budget would be passed even after releasing the cache. */
+MG_API int mg_arena_alloc(size_t size, size_t align, void **out);
+/** Free a block of the arena. @p p must be owned (mg_arena_owns). */
+MG_API void mg_arena_free(void *p);
+/** O(1): does @p p lie in the arena's range? */
+MG_API int mg_arena_owns(const void *p);
+/** Usable size of an arena block (its class size less any header). */
+MG_API size_t mg_arena_usable_size(const void *p);
+/** Set the budget in bytes (0: none). Takes effect for the next allocation. */
+MG_API void mg_arena_set_budget(uint64_t bytes);
+/** Release cached blocks until at most @p keep_bytes stay cached; @p freed gets the bytes. */
+MG_API int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed);
+/** Copy the counters. */
+MG_API int mg_arena_stats(mg_arena_stats_t *out);
+/** Reset the peaks to the current values. */
+MG_API void mg_arena_reset_peaks(void);
+
+/**
+ * Route the tensor allocations of the loaded shared object whose file name
+ * starts with @p prefix (="libc10.so") to the arena by rewriting its import
+ * slots for posix_memalign, free and realloc. Idempotent.
+ * @param slots receives the number of slots rewritten (may be NULL).
+ * @return 0; ENOENT the object is not loaded; ESRCH it does not import
+ *         posix_memalign and free; ENOTSUP not an ELF target memguard knows;
+ *         ENOMEM no address range for the arena; or mprotect's errno.
+ */
+MG_API int mg_install(const char *prefix, int *slots);
+/** Give posix_memalign back; free and realloc stay hooked (blocks may live on). */
+MG_API int mg_uninstall(void);
+/** Whether mg_install is in effect. */
+MG_API int mg_installed(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MEMGUARD_ARENA_H */

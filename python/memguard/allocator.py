@@ -1,0 +1,126 @@
+"""memguard's budgeted caching allocator for CPU tensors, installed in-process.
+
+:func:`install` rewrites the import slots through which ``libc10.so`` (the
+library behind every torch CPU allocation, ``c10::alloc_cpu``) calls
+``posix_memalign``, ``free`` and ``realloc``, so tensor storage comes from
+memguard's arena: size classes cached for reuse, one reserved address range,
+and a budget. An allocation that would pass the budget first releases cached
+blocks, then fails the way torch always fails, with
+``RuntimeError: ... can't allocate memory ...``; the process goes on and the
+next allocation that fits succeeds. :func:`is_oom` recognises that error.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+from memguard import _C
+from memguard.budget import parse_budget
+
+_lock = threading.Lock()  # serialises install/uninstall/set_budget from Python
+
+#: Messages of out-of-memory errors across devices and allocators.
+_OOM_MESSAGES = (
+    "can't allocate memory",         # CPU: c10's DefaultCPUAllocator (memguard's budget too)
+    "not enough memory",             # CPU, older torch
+    "cuda out of memory",            # CUDA caching allocator
+    "out of memory",                 # CUDA driver, cuBLAS and friends
+    "mps backend out of memory",     # Apple MPS
+    "cannot allocate memory",        # errno text
+)
+
+
+def install(budget: str | int | None = None) -> None:
+    """Route CPU tensor memory to memguard's arena. Idempotent.
+
+    Args:
+        budget: the most the arena may hold (allocated plus cached), see
+            :func:`memguard.parse_budget`; ``None`` keeps the current budget
+            (none at first).
+
+    Raises:
+        RuntimeError: torch is not imported, the platform has no ELF import
+            slots, ``libc10.so`` does not import the functions memguard
+            rewrites, or the routing did not take effect (a probe tensor
+            was not served by the arena).
+        ValueError: a bad budget.
+    """
+    if "torch" not in sys.modules:
+        raise RuntimeError("import torch before memguard.install(): there is no torch "
+                           "allocator to route yet")
+    import torch
+
+    with _lock:
+        if budget is not None:
+            _C.arena_set_budget(parse_budget(budget))
+        if _C.installed():
+            return
+        _C.install("libc10.so")
+        before = _C.arena_stats()["num_allocs"]
+        probe = torch.empty(4096, dtype=torch.uint8)
+        took = _C.arena_stats()["num_allocs"] > before
+        del probe
+        if not took:
+            _C.uninstall()
+            raise RuntimeError("memguard's allocator was installed but a probe tensor did not "
+                               "reach it: this torch build allocates CPU memory elsewhere")
+
+
+def uninstall() -> None:
+    """Give torch's allocations back to the system allocator. Idempotent.
+
+    Tensors allocated while installed stay valid and are freed correctly
+    later: memguard keeps handling their frees.
+    """
+    with _lock:
+        _C.uninstall()
+
+
+def installed() -> bool:
+    """Whether tensor allocations go to memguard's arena now."""
+    return _C.installed()
+
+
+def set_budget(budget: str | int | None) -> None:
+    """Change the arena's budget (``None``: no budget). Cached blocks above a
+    smaller budget are released at once."""
+    with _lock:
+        _C.arena_set_budget(0 if budget is None else parse_budget(budget))
+
+
+def stats() -> dict[str, int]:
+    """The arena's counters, flat, in PyTorch's vocabulary:
+    ``allocated_bytes.{current,peak}``, ``reserved_bytes.*``, ``active_bytes.*``,
+    ``requested_bytes.*``, ``cached_bytes``, ``budget_bytes``, ``num_allocs``,
+    ``num_frees``, ``num_cache_hits``, ``num_ooms``, ``num_trims``,
+    ``trimmed_bytes``. Bytes are block sizes (size classes round up by at most
+    25 %), except ``requested_bytes``; for blocks under 256 KiB requested
+    counts the block size."""
+    return _C.arena_stats()
+
+
+def trim(keep: int = 0) -> int:
+    """Give cached blocks back to the kernel until at most ``keep`` bytes stay
+    cached. Returns the bytes released."""
+    return _C.arena_trim(int(keep))
+
+
+def reset_peaks() -> None:
+    """Set every ``*.peak`` counter to its current value."""
+    _C.arena_reset_peaks()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error: ``torch.OutOfMemoryError``
+    (CUDA's included), or a ``RuntimeError`` with the CPU (memguard's budget
+    included), CUDA or MPS out-of-memory message."""
+    torch = sys.modules.get("torch")
+    oom_type = getattr(torch, "OutOfMemoryError", None) if torch else None
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    if isinstance(exc, MemoryError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    msg = str(exc).lower()
+    return any(m in msg for m in _OOM_MESSAGES)
