@@ -21,22 +21,22 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Level",
-    "allocator",
-    "install",
-    "installed",
-    "is_oom",
-    "stats",
-    "trim",
-    "uninstall",
     "PressureEvent",
     "Sample",
     "Sampler",
+    "allocator",
     "configure",
+    "install",
+    "installed",
+    "is_oom",
     "option",
     "options",
     "parse_budget",
     "sample",
+    "stats",
     "telemetry",
+    "trim",
+    "uninstall",
 ]
 
 from memguard import _options as _opts
