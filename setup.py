@@ -1,7 +1,10 @@
-"""Build memguard._C from csrc/: C11, warnings as errors, no torch headers."""
+"""Build memguard._C and libmemguard_preload.so from csrc/: C11, warnings as
+errors, no torch headers."""
+import os
 from glob import glob
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 CFLAGS = [
     "-std=c11",
@@ -19,7 +22,35 @@ core = sorted(glob("csrc/core/*.c"))
 shim = sorted(f for f in glob("csrc/shim/*.c") if not f.endswith("preload.c"))
 binding = sorted(glob("csrc/python/*.c"))
 
+# The LD_PRELOAD shim: the malloc family, the arena and what the budget needs.
+# Built hidden by default (no MG_BUILDING): it exports the malloc family,
+# the arena's entry points and its markers only.
+PRELOAD = ["csrc/shim/preload.c", "csrc/core/arena.c", "csrc/core/options.c",
+           "csrc/core/budget.c", "csrc/core/procfs.c", "csrc/core/util.c"]
+PRELOAD_CFLAGS = [f for f in CFLAGS if f != "-DMG_BUILDING"]
+
+
+class build_ext_with_preload(build_ext):  # noqa: N801 - setuptools command naming
+    """build_ext, then libmemguard_preload.so beside the extension."""
+
+    def run(self):
+        super().run()
+        out_dir = os.path.dirname(self.get_ext_fullpath("memguard._C"))
+        target = os.path.join(out_dir, "libmemguard_preload.so")
+        deps = PRELOAD + glob("csrc/*/*.h") + glob("include/memguard/*.h")
+        if (not self.force and os.path.exists(target)
+                and all(os.path.getmtime(d) <= os.path.getmtime(target) for d in deps)):
+            return
+        objects = self.compiler.compile(
+            PRELOAD, output_dir=os.path.join(self.build_temp, "preload"),
+            include_dirs=["include", "csrc/core", "csrc/shim"],
+            extra_postargs=PRELOAD_CFLAGS + ["-fPIC"])
+        os.makedirs(out_dir, exist_ok=True)
+        self.compiler.link_shared_object(objects, target, libraries=["dl", "pthread", "m"])
+
+
 setup(
+    cmdclass={"build_ext": build_ext_with_preload},
     ext_modules=[
         Extension(
             "memguard._C",

@@ -2,6 +2,8 @@
  * so ownership is a range check: [base, mid) is carved into 2 MiB slab
  * chunks for small blocks (size classes up to 256 KiB, found on free through
  * a chunk map), [mid, end) into large blocks with a 64-byte header in front.
+ * Small blocks have no header: what their callers asked for is kept beside
+ * the slabs, one uint16_t per 64-byte granule, so requested bytes are exact.
  * Freed blocks stay cached in per-class free lists; cached large blocks can
  * be given back to the kernel (MADV_DONTNEED) and keep their address range.
  *
@@ -25,6 +27,8 @@
 #define HDR 64
 #define N_SMALL 48      /* classes up to SMALL_MAX: 8 + 4 per doubling from 512 */
 #define N_CLASSES 256
+#define GRANULE_SHIFT 6 /* every small class size is a multiple of 64 */
+#define SLACK_PER_CHUNK (CHUNK >> GRANULE_SHIFT)
 #define LARGE_MAGIC 0x6d676c6172676521ULL /* "mglarge!" */
 
 /* Lives in the first bytes of every large block, HDR bytes before the
@@ -55,6 +59,11 @@ static struct {
     char *base, *mid, *end;    /* immutable after init */
     size_t page;
     uint16_t *chunk_cls;       /* slab chunk -> class + 1; written under grow_lock */
+    /* Granule of a live small block -> class size less requested (< 32 KiB,
+     * the widest class step). Written by the block's owner: the allocating
+     * thread, before it hands the pointer on. PROT_NONE until its chunk is
+     * carved, so only slabs in use cost memory. */
+    uint16_t *slack;
     pthread_mutex_t grow_lock; /* guards slab_next, large_next; a leaf lock */
     char *slab_next, *large_next;
     cls_t small[N_SMALL];      /* free lists of small_free_t */
@@ -160,7 +169,17 @@ static void do_init(void)
         init_rc = ENOMEM;
         return;
     }
+    /* the slack table is reserved only; carving a chunk commits its part */
+    void *slack = mmap(NULL, n_chunks * SLACK_PER_CHUNK * sizeof(uint16_t), PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (slack == MAP_FAILED) {
+        munmap(map, n_chunks * sizeof(uint16_t));
+        munmap(base, want);
+        init_rc = ENOMEM;
+        return;
+    }
     A.chunk_cls = map;
+    A.slack = slack;
     A.base = A.slab_next = base;
     A.mid = A.large_next = base + n_chunks * CHUNK;
     A.end = base + want;

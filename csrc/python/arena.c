@@ -1,4 +1,5 @@
 /* Python access to the arena and the in-process install. */
+#include <dlfcn.h>
 #include <errno.h>
 
 #include "memguard/memguard-arena.h"
@@ -51,6 +52,14 @@ PyObject *mgpy_installed(PyObject *m, PyObject *unused)
     (void)m;
     (void)unused;
     return PyBool_FromLong(mg_installed());
+}
+
+/* Is the preload shim in this process (its marker visible)? */
+PyObject *mgpy_preloaded(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    return PyBool_FromLong(dlsym(RTLD_DEFAULT, "mg_preload_active") != NULL);
 }
 
 PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)

@@ -39,6 +39,7 @@ PyObject *mgpy_option_warnings(PyObject *m, PyObject *unused);
 PyObject *mgpy_install(PyObject *m, PyObject *args);
 PyObject *mgpy_uninstall(PyObject *m, PyObject *unused);
 PyObject *mgpy_installed(PyObject *m, PyObject *unused);
+PyObject *mgpy_preloaded(PyObject *m, PyObject *unused);
 PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused);
 PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_trim(PyObject *m, PyObject *args);

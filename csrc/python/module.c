@@ -30,6 +30,7 @@ static PyMethodDef methods[] = {
      "install(prefix='libc10.so') -> slots rewritten: route its tensor memory to the arena."},
     {"uninstall", mgpy_uninstall, METH_NOARGS, "Give posix_memalign back (free stays hooked)."},
     {"installed", mgpy_installed, METH_NOARGS, "Whether the allocator is installed."},
+    {"preloaded", mgpy_preloaded, METH_NOARGS, "Whether the preload shim is in the process."},
     {"arena_stats", mgpy_arena_stats, METH_NOARGS, "The arena's counters as a flat dict."},
     {"arena_set_budget", mgpy_arena_set_budget, METH_O, "Budget in bytes (0: none)."},
     {"arena_trim", mgpy_arena_trim, METH_VARARGS,

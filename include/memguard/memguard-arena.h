@@ -21,6 +21,15 @@
 extern "C" {
 #endif
 
+/* The arena's entry points are always exported: when the preload shim is
+ * in the process, its copies interpose on the extension's, so the process
+ * has one arena whichever library calls it. */
+#if defined(__GNUC__)
+#define MG_ARENA_API __attribute__((visibility("default")))
+#else
+#define MG_ARENA_API
+#endif
+
 #define MG_ARENA_STATS_VERSION 1
 
 /** Counters in PyTorch's vocabulary; bytes are block sizes except requested. */
@@ -39,24 +48,24 @@ typedef struct mg_arena_stats {
 } mg_arena_stats_t;
 
 /** Create the arena (idempotent). ENOMEM when no address range could be reserved. */
-MG_API int mg_arena_init(void);
+MG_ARENA_API int mg_arena_init(void);
 /** Allocate @p size bytes aligned to @p align (a power of two, at most 2 MiB).
  * ENOMEM when the budget would be passed even after releasing the cache. */
-MG_API int mg_arena_alloc(size_t size, size_t align, void **out);
+MG_ARENA_API int mg_arena_alloc(size_t size, size_t align, void **out);
 /** Free a block of the arena. @p p must be owned (mg_arena_owns). */
-MG_API void mg_arena_free(void *p);
+MG_ARENA_API void mg_arena_free(void *p);
 /** O(1): does @p p lie in the arena's range? */
-MG_API int mg_arena_owns(const void *p);
+MG_ARENA_API int mg_arena_owns(const void *p);
 /** Usable size of an arena block (its class size less any header). */
-MG_API size_t mg_arena_usable_size(const void *p);
+MG_ARENA_API size_t mg_arena_usable_size(const void *p);
 /** Set the budget in bytes (0: none). Takes effect for the next allocation. */
-MG_API void mg_arena_set_budget(uint64_t bytes);
+MG_ARENA_API void mg_arena_set_budget(uint64_t bytes);
 /** Release cached blocks until at most @p keep_bytes stay cached; @p freed gets the bytes. */
-MG_API int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed);
+MG_ARENA_API int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed);
 /** Copy the counters. */
-MG_API int mg_arena_stats(mg_arena_stats_t *out);
+MG_ARENA_API int mg_arena_stats(mg_arena_stats_t *out);
 /** Reset the peaks to the current values. */
-MG_API void mg_arena_reset_peaks(void);
+MG_ARENA_API void mg_arena_reset_peaks(void);
 
 /**
  * Route the tensor allocations of the loaded shared object whose file name

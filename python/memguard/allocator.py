@@ -53,8 +53,8 @@ def install(budget: str | int | None = None) -> None:
     with _lock:
         if budget is not None:
             _C.arena_set_budget(parse_budget(budget))
-        if _C.installed():
-            return
+        if _C.installed() or _C.preloaded():
+            return  # under `memguard run` every allocation is routed already
         _C.install("libc10.so")
         before = _C.arena_stats()["num_allocs"]
         probe = torch.empty(4096, dtype=torch.uint8)
@@ -77,8 +77,14 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    """Whether tensor allocations go to memguard's arena now."""
-    return _C.installed()
+    """Whether tensor allocations go to memguard's arena now (installed in
+    process, or the whole process runs under ``memguard run``)."""
+    return _C.installed() or _C.preloaded()
+
+
+def preloaded() -> bool:
+    """Whether this process runs under ``memguard run`` (the preload shim)."""
+    return _C.preloaded()
 
 
 def set_budget(budget: str | int | None) -> None:

@@ -1,4 +1,4 @@
-"""The ``memguard`` command: ``doctor``, ``sample``, ``watch``, ``demo``."""
+"""The ``memguard`` command: ``doctor``, ``sample``, ``watch``, ``run``, ``demo``."""
 from __future__ import annotations
 
 import argparse
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--print-every", type=float, default=1.0, help="seconds between lines (=1)")
     w.set_defaults(fn=_cmd_watch)
 
+    r = sub.add_parser("run", help="run a command with memguard's allocator preloaded")
+    r.add_argument("run_args", nargs=argparse.REMAINDER, help="[--budget B] -- CMD ...")
+
     m = sub.add_parser("demo", help="a short CPU training run with live telemetry")
     m.add_argument("demo_args", nargs=argparse.REMAINDER, help="options of the demo (see --help)")
     m.set_defaults(fn=_cmd_demo)
@@ -110,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from memguard import demo
 
         return demo.main(argv[1:])
+    if argv[:1] == ["run"]:
+        from memguard import run
+
+        return run.main(argv[1:])
     if argv[:1] == ["doctor"]:
         from memguard import doctor
 

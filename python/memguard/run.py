@@ -1,0 +1,90 @@
+"""``memguard run [--budget B] -- CMD ...``: start CMD with memguard's
+allocator preloaded for the whole process and every process it forks.
+
+Tensor-sized allocations go to memguard's arena (with the budget, if one is
+given); small ones to jemalloc when it is installed (preloaded after the
+shim), else to glibc with heap trimming off.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+from memguard.budget import parse_budget
+
+SHIM = "libmemguard_preload.so"
+JEMALLOC = "libjemalloc.so.2"
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+             "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64", "/lib")
+
+
+def shim_path() -> str:
+    """Path of the preload shim built with this package.
+
+    Raises:
+        FileNotFoundError: the package was installed without it.
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), SHIM)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{SHIM} is missing beside {__file__}: reinstall memguard")
+    return path
+
+
+def find_jemalloc() -> str | None:
+    """libjemalloc.so.2 from the usual library directories, or None."""
+    for d in _LIB_DIRS:
+        hits = sorted(glob.glob(os.path.join(d, JEMALLOC)))
+        if hits:
+            return hits[0]
+    return None
+
+
+def preload_env(budget: str | int | None = None, jemalloc: bool = True,
+                env: dict | None = None) -> dict:
+    """The environment that runs a command under memguard's allocator.
+
+    Args:
+        budget: checked here (ValueError names a bad one), passed as
+            MEMGUARD_BUDGET; None: no budget.
+        jemalloc: preload jemalloc for small allocations where installed.
+        env: the environment to start from (default: this process's).
+    """
+    out = dict(os.environ if env is None else env)
+    libs = [shim_path()]
+    je = find_jemalloc() if jemalloc else None
+    if je:
+        libs.append(je)
+    if out.get("LD_PRELOAD"):
+        libs.append(out["LD_PRELOAD"])
+    out["LD_PRELOAD"] = ":".join(libs)
+    if budget is not None:
+        parse_budget(budget)  # fail here, not silently inside the shim
+        out["MEMGUARD_BUDGET"] = str(budget)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``memguard run`` options and exec the command (never returns on success)."""
+    p = argparse.ArgumentParser(prog="memguard run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", default=None, help='"12GiB", "75%%", "auto" or bytes')
+    p.add_argument("--no-jemalloc", action="store_true",
+                   help="small allocations to glibc even where jemalloc is installed")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+    args = p.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        p.error("no command given: memguard run [--budget B] -- CMD ...")
+    try:
+        env = preload_env(args.budget, jemalloc=not args.no_jemalloc)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"memguard run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as exc:
+        print(f"memguard run: cannot run {cmd[0]!r}: {exc.strerror}", file=sys.stderr)
+        return 127
+    return 0  # not reached
