@@ -30,7 +30,7 @@ PRELOAD = ["csrc/shim/preload.c", "csrc/core/arena.c", "csrc/core/options.c",
 PRELOAD_CFLAGS = [f for f in CFLAGS if f != "-DMG_BUILDING"]
 
 
-class build_ext_with_preload(build_ext):  # noqa: N801 - setuptools command naming
+class build_ext_with_preload(build_ext):
     """build_ext, then libmemguard_preload.so beside the extension."""
 
     def run(self):

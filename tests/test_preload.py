@@ -1,0 +1,169 @@
+"""`memguard run`: the preload shim for a whole process and its workers,
+with jemalloc where installed and with glibc alone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memguard import run as mrun
+
+pytest.importorskip("torch")
+
+JEMALLOC = mrun.find_jemalloc()
+MODES = ["glibc"] + (["jemalloc"] if JEMALLOC else [])
+
+
+def memguard_run(code: str, *opts: str, mode: str = "glibc", timeout: float = 180):
+    args = [sys.executable, "-m", "memguard", "run", *opts]
+    if mode == "glibc":
+        args.append("--no-jemalloc")
+    args += ["--", sys.executable, "-c", textwrap.dedent(code)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMGUARD_")}
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)
+
+
+TRAIN = """
+    import json, torch, memguard
+    class DS(torch.utils.data.Dataset):
+        def __len__(self): return 96
+        def __getitem__(self, i): return torch.randn(3, 32, 32), i % 10
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3072, 512), torch.nn.ReLU(),
+                            torch.nn.Linear(512, 10))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    steps = 0
+    for x, y in torch.utils.data.DataLoader(DS(), batch_size=16, num_workers=2):
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        opt.zero_grad(); loss.backward(); opt.step(); steps += 1
+    s = memguard.stats()
+    import ctypes
+    je = ctypes.c_int.in_dll(ctypes.CDLL(None), "mg_preload_jemalloc").value
+    print(json.dumps({"steps": steps, "preloaded": memguard.allocator.preloaded(),
+                      "installed": memguard.installed(), "jemalloc": je,
+                      "allocs": s["num_allocs"], "hits": s["num_cache_hits"],
+                      "budget": s["budget_bytes"]}))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_with_workers_under_the_shim(mode):
+    out = memguard_run(TRAIN, "--budget", "4GiB", mode=mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["steps"] == 6 and r["preloaded"] and r["installed"]
+    assert r["jemalloc"] == (mode == "jemalloc")
+    assert r["allocs"] > 50 and r["hits"] > r["allocs"] // 2  # the loop reuses memory
+    assert r["budget"] == 4 * 2**30
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_budget_holds_under_the_shim(mode):
+    code = """
+        import json, torch, memguard
+        keep = torch.empty(300 * 2**20, dtype=torch.uint8)
+        try:
+            torch.empty(300 * 2**20, dtype=torch.uint8)
+            failed = False
+        except RuntimeError as e:
+            failed = memguard.is_oom(e)
+        s = memguard.stats()
+        small = torch.ones(2**20)  # the process goes on
+        print(json.dumps({"failed": failed, "reserved": s["reserved_bytes.current"],
+                          "ooms": s["num_ooms"], "small": float(small.sum())}))
+    """
+    out = memguard_run(code, "--budget", "512MiB", mode=mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["failed"] and r["ooms"] >= 1
+    assert r["reserved"] <= 512 * 2**20
+    assert r["small"] == 2**20
+
+
+MALLOC_FAMILY = r"""
+    import ctypes, json
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name, res, args in [("malloc", ctypes.c_void_p, [ctypes.c_size_t]),
+                            ("calloc", ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_size_t]),
+                            ("realloc", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
+                            ("free", None, [ctypes.c_void_p]),
+                            ("aligned_alloc", ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_size_t]),
+                            ("memalign", ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_size_t]),
+                            ("valloc", ctypes.c_void_p, [ctypes.c_size_t]),
+                            ("pvalloc", ctypes.c_void_p, [ctypes.c_size_t]),
+                            ("malloc_usable_size", ctypes.c_size_t, [ctypes.c_void_p]),
+                            ("posix_memalign", ctypes.c_int,
+                             [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t])]:
+        f = getattr(libc, name); f.restype = res; f.argtypes = args
+    import memguard._C as C
+    problems = []
+    def check(cond, what):
+        if not cond:
+            problems.append(what)
+    for n in [1, 100, 4096, 60000, 70000, 1 << 20, 50 << 20]:
+        # 16-byte alignment from 16 bytes up (jemalloc gives 8 below that, as C allows)
+        p = libc.malloc(n); check(p and p % (16 if n >= 16 else 8) == 0, f"malloc {n}")
+        check(libc.malloc_usable_size(p) >= n, f"usable {n}")
+        ctypes.memset(p, 0xAB, n)
+        q = libc.realloc(p, 2 * n + 1); check(q is not None, f"realloc {n}")
+        check(ctypes.string_at(q, n) == b"\xab" * n, f"realloc keeps {n}")
+        libc.free(q)
+    # a big block comes back dirty from the cache: calloc must zero it
+    p = libc.malloc(8 << 20); ctypes.memset(p, 0xFF, 8 << 20); libc.free(p)
+    c = libc.calloc(1, 8 << 20); check(ctypes.string_at(c, 8 << 20).count(0) == 8 << 20, "calloc zero")
+    libc.free(c)
+    for align in [16, 64, 4096, 1 << 16, 1 << 21]:
+        for n in [24, 100000]:
+            out = ctypes.c_void_p()
+            rc = libc.posix_memalign(ctypes.byref(out), align, n)
+            check(rc == 0 and out.value % align == 0, f"posix_memalign {align} {n}")
+            libc.free(out)
+            a = libc.aligned_alloc(align, n); check(a % align == 0, f"aligned_alloc {align}")
+            libc.free(a)
+            m = libc.memalign(align, n); check(m % align == 0, f"memalign {align}"); libc.free(m)
+    v = libc.valloc(10); check(v % 4096 == 0, "valloc"); libc.free(v)
+    v = libc.pvalloc(10); check(v % 4096 == 0 and libc.malloc_usable_size(v) >= 4096, "pvalloc")
+    libc.free(v)
+    out = ctypes.c_void_p()
+    check(libc.posix_memalign(ctypes.byref(out), 24, 8) == 22, "posix_memalign EINVAL")
+    # errno: untouched by a success, ENOMEM on failure (over the budget)
+    ctypes.set_errno(1234)
+    p = libc.malloc(1 << 20); check(ctypes.get_errno() == 1234, "errno kept"); libc.free(p)
+    C.arena_set_budget(64 << 20)
+    p = libc.malloc(256 << 20)
+    check(p is None and ctypes.get_errno() == 12, "ENOMEM over budget")
+    C.arena_set_budget(0)
+    check(libc.realloc(None, 10) is not None, "realloc(NULL)")
+    print(json.dumps(problems))
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_malloc_family_under_the_shim(mode):
+    out = memguard_run(MALLOC_FAMILY, mode=mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_run_reports_bad_input():
+    out = subprocess.run([sys.executable, "-m", "memguard", "run", "--budget", "lots", "--",
+                          "true"], capture_output=True, text=True, check=False)
+    assert out.returncode == 2 and "'lots'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "memguard", "run", "--"], capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 2 and "no command" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "memguard", "run", "--",
+                          "no-such-program-xyz"], capture_output=True, text=True, check=False)
+    assert out.returncode == 127 and "cannot run" in out.stderr
+
+
+def test_preload_env_keeps_existing_preloads():
+    env = mrun.preload_env(budget="1GiB", env={"LD_PRELOAD": "/x/other.so"})
+    libs = env["LD_PRELOAD"].split(":")
+    assert libs[0].endswith("libmemguard_preload.so") and libs[-1] == "/x/other.so"
+    assert env["MEMGUARD_BUDGET"] == "1GiB"
