@@ -223,9 +223,15 @@ static uint64_t release_cache(uint64_t keep, int try)
         for (large_hdr_t *h = k->free; h && atomic_load(&A.cached) > keep; h = h->next) {
             if (h->released)
                 continue;
-            size_t skip = A.page; /* the header's page stays */
-            if (h->block_size > skip)
-                (void)madvise(h->block + skip, h->block_size - skip, MADV_DONTNEED);
+            /* The header's page stays: the free list runs through it. It is
+             * not always the first: a pointer aligned to 2 MiB puts the
+             * header 2 MiB into its block. */
+            char *hp = (char *)((uintptr_t)h & ~(uintptr_t)(A.page - 1));
+            char *end = h->block + h->block_size;
+            if (hp > h->block)
+                (void)madvise(h->block, (size_t)(hp - h->block), MADV_DONTNEED);
+            if (hp + A.page < end)
+                (void)madvise(hp + A.page, (size_t)(end - hp - A.page), MADV_DONTNEED);
             h->released = 1;
             atomic_fetch_sub(&A.cached, h->block_size);
             atomic_fetch_sub(&A.reserved, h->block_size);
@@ -241,43 +247,64 @@ static uint64_t release_cache(uint64_t keep, int try)
 }
 
 /* Count bytes as reserved if the budget allows, releasing cache first when
- * it does not. 0 or ENOMEM. */
+ * it does not. 0 or ENOMEM. Under a budget this is a compare-exchange, not
+ * add-then-roll-back: a transient overshoot would be seen by stats readers
+ * and would make a racing allocation fail although both fit. */
 static int reserve(uint64_t bytes)
 {
     for (int attempt = 0; attempt < 2; attempt++) {
         uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
-        uint64_t now = atomic_fetch_add(&A.reserved, bytes) + bytes;
-        if (!budget || now <= budget) {
-            peak(&A.reserved_peak, now);
+        if (!budget) {
+            peak(&A.reserved_peak, atomic_fetch_add(&A.reserved, bytes) + bytes);
             return 0;
         }
-        atomic_fetch_sub(&A.reserved, bytes);
-        if (attempt == 0 && release_cache(0, 1) == 0)
-            break;
+        uint64_t cur = atomic_load(&A.reserved);
+        while (cur <= budget && bytes <= budget - cur) {
+            if (atomic_compare_exchange_weak(&A.reserved, &cur, cur + bytes)) {
+                peak(&A.reserved_peak, cur + bytes);
+                return 0;
+            }
+        }
+        if (attempt == 0)
+            release_cache(0, 1);
     }
     return ENOMEM;
+}
+
+/* Undo a reserve whose allocation failed after all. */
+static void unreserve(uint64_t bytes)
+{
+    atomic_fetch_sub(&A.reserved, bytes);
 }
 
 static char *carve_slab_chunk(unsigned c)
 {
     char *p = NULL;
     pthread_mutex_lock(&A.grow_lock);
-    if (A.slab_next + CHUNK <= A.mid && commit(A.slab_next, CHUNK) == 0) {
+    size_t i = (size_t)(A.slab_next - A.base) >> CHUNK_SHIFT;
+    if (A.slab_next + CHUNK <= A.mid && commit(A.slab_next, CHUNK) == 0 &&
+        mprotect(A.slack + i * SLACK_PER_CHUNK, SLACK_PER_CHUNK * sizeof(uint16_t),
+                 PROT_READ | PROT_WRITE) == 0) {
         p = A.slab_next;
         A.slab_next += CHUNK;
-        A.chunk_cls[(size_t)(p - A.base) >> CHUNK_SHIFT] = (uint16_t)(c + 1);
+        A.chunk_cls[i] = (uint16_t)(c + 1);
     }
     pthread_mutex_unlock(&A.grow_lock);
     return p;
 }
 
-static char *carve_large(size_t n)
+/* A fresh large block. Its pointer sits max(align, HDR) bytes in, so past a
+ * page of alignment the block itself must start aligned; the gap this
+ * leaves stays PROT_NONE and costs no memory. */
+static char *carve_large(size_t n, size_t align)
 {
+    uintptr_t to = align > A.page ? align : A.page;
     char *p = NULL;
     pthread_mutex_lock(&A.grow_lock);
-    if ((size_t)(A.end - A.large_next) >= n && commit(A.large_next, n) == 0) {
-        p = A.large_next;
-        A.large_next += n;
+    char *at = (char *)(((uintptr_t)A.large_next + to - 1) & ~(to - 1));
+    if (at <= A.end && (size_t)(A.end - at) >= n && commit(at, n) == 0) {
+        p = at;
+        A.large_next = at + n;
     }
     pthread_mutex_unlock(&A.grow_lock);
     return p;
@@ -306,9 +333,14 @@ static int small_alloc(size_t size, void **out)
         p = f;
         hit = 1;
     } else {
-        if (k->bump + csize > k->bump_end || !k->bump) {
-            char *chunk = reserve(CHUNK) == 0 ? carve_slab_chunk(c) : NULL;
-            if (!chunk) { /* over budget, or the slab range is used up */
+        if (!k->bump || k->bump + csize > k->bump_end) { /* (NULL + n is undefined) */
+            if (reserve(CHUNK) != 0) {
+                pthread_mutex_unlock(&k->lock);
+                return ENOMEM;
+            }
+            char *chunk = carve_slab_chunk(c);
+            if (!chunk) { /* the slab range is used up */
+                unreserve(CHUNK);
                 pthread_mutex_unlock(&k->lock);
                 return ENOMEM;
             }
@@ -320,7 +352,8 @@ static int small_alloc(size_t size, void **out)
         k->bump += csize;
     }
     pthread_mutex_unlock(&k->lock);
-    count_alloc(csize, csize, hit);
+    A.slack[(size_t)((char *)p - A.base) >> GRANULE_SHIFT] = (uint16_t)(csize - size);
+    count_alloc(csize, size, hit);
     *out = p;
     return 0;
 }
@@ -352,8 +385,13 @@ static int large_alloc(size_t size, size_t align, void **out)
         }
     }
     if (!h) {
-        char *block = reserve(csize) == 0 ? carve_large(csize) : NULL;
-        if (!block) {
+        if (reserve(csize) != 0) {
+            pthread_mutex_unlock(&k->lock);
+            return ENOMEM;
+        }
+        char *block = carve_large(csize, align);
+        if (!block) { /* the large range is used up */
+            unreserve(csize);
             pthread_mutex_unlock(&k->lock);
             return ENOMEM;
         }
@@ -386,9 +424,9 @@ int mg_arena_alloc(size_t size, size_t align, void **out)
         return rc;
     if (size == 0)
         size = 1;
-    size_t csize;
-    class_of(size, &csize);
-    if (align <= 64 && csize <= SMALL_MAX)
+    /* by size, not class: class_of would wrap for sizes near SIZE_MAX, and
+     * SMALL_MAX being a class size, the two agree */
+    if (align <= 64 && size <= SMALL_MAX)
         rc = small_alloc(size, out);
     else
         rc = large_alloc(size, align, out);
@@ -403,13 +441,15 @@ void mg_arena_free(void *p)
     if (q < A.mid) {
         unsigned c = (unsigned)A.chunk_cls[(size_t)(q - A.base) >> CHUNK_SHIFT] - 1;
         size_t csize = class_size(c);
+        /* read before the block is listed: a new owner rewrites it */
+        size_t req = csize - A.slack[(size_t)(q - A.base) >> GRANULE_SHIFT];
         cls_t *k = &A.small[c];
         pthread_mutex_lock(&k->lock);
         ((small_free_t *)q)->next = k->free;
         k->free = q;
         pthread_mutex_unlock(&k->lock);
         atomic_fetch_sub(&A.allocated, csize);
-        atomic_fetch_sub(&A.requested, csize);
+        atomic_fetch_sub(&A.requested, req);
     } else {
         large_hdr_t *h = (large_hdr_t *)(q - HDR);
         cls_t *k = &A.large[h->cls];

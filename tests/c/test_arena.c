@@ -1,0 +1,1018 @@
+/* The budgeted caching arena, through its public API and exact counters:
+ * size classes (usable size, alignment, no write past a block), ownership,
+ * reuse of cached blocks in a training-loop pattern, byte-exact accounting
+ * and peaks, the budget (ENOMEM, cache released first, never passed, also
+ * under four racing threads), trim (counters and RSS), requests too large to
+ * ever fit, and fork while other threads allocate.
+ *
+ * The arena is one per process, so the tests run in order and each leaves
+ * nothing allocated and no budget behind. Under valgrind (seen in
+ * LD_PRELOAD) or with MGTEST_SLOW set, loops are shorter; there and under
+ * ThreadSanitizer, blocks past 256 KiB are written only at their ends and
+ * once per 8 MiB (see next_word()). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "memguard/memguard-arena.h"
+#include "mgi.h"
+#include "mgtest.h"
+
+#define KiB ((size_t)1024)
+#define MiB ((size_t)1024 * 1024)
+#define SMALL_MAX (256 * KiB) /* largest class served from slabs */
+#define HDR 64                /* header in front of a large block */
+
+static size_t page;
+static int slow;
+
+static mg_arena_stats_t st(void)
+{
+    mg_arena_stats_t s;
+    mg_arena_stats(&s);
+    return s;
+}
+
+static size_t round_up(size_t n, size_t to)
+{
+    return (n + to - 1) / to * to;
+}
+
+/* The documented classes, computed independently of arena.c: multiples of
+ * 64 up to 512, then four per doubling (2^e + k * 2^e / 4). */
+static size_t class_up(size_t n)
+{
+    if (n <= 512)
+        return n ? round_up(n, 64) : 64;
+    size_t p = 512;
+    while (p * 2 < n)
+        p *= 2;
+    return round_up(n, p / 4);
+}
+
+/* Whether (size, align) is served from a slab (no header, no page rounding). */
+static int is_small(size_t size, size_t align)
+{
+    return align <= 64 && size <= SMALL_MAX;
+}
+
+/* Bytes a block of (size, align) takes: what allocated_current counts. */
+static size_t block_bytes(size_t size, size_t align)
+{
+    if (is_small(size, align))
+        return class_up(size ? size : 1);
+    size_t off = align > HDR ? align : HDR;
+    return round_up(class_up(size + off), page);
+}
+
+/* Usable size the arena must report for (size, align). */
+static size_t usable_bytes(size_t size, size_t align)
+{
+    if (is_small(size, align))
+        return block_bytes(size, align);
+    return block_bytes(size, align) - (align > HDR ? align : HDR);
+}
+
+/* Word i of block `seed`: unlike any other block's, and unlike its own
+ * other words, so a write past the end or a shifted copy shows. */
+static uint64_t pat(uint64_t seed, size_t i)
+{
+    return (seed * 0x9E3779B97F4A7C15ULL) ^ (uint64_t)i;
+}
+
+/* Which words of an n-byte block are written and checked: all of them up
+ * to full_max bytes; past that the first and last 64 KiB and one word per
+ * 8 MiB between, which still shows a short or misplaced mapping (the arena
+ * maps whole blocks) at a fraction of the page faults, which cost up to
+ * 8 ms per fresh huge page in some VMs. The next covered word after i. */
+static size_t full_max;
+
+static size_t next_word(size_t n, size_t i)
+{
+    size_t words = n / 8, edge = 8 * KiB, stride = MiB;
+    if (n <= full_max || i + 1 < edge || i + 1 >= words - edge)
+        return i + 1;
+    size_t next = (i + 1 + stride - 1) / stride * stride;
+    return next < words - edge ? next : words - edge;
+}
+
+/* Write a block's usable bytes with its pattern. */
+static void fill(void *p, size_t n, uint64_t seed)
+{
+    uint64_t *w = p;
+    for (size_t i = 0; i < n / 8; i = next_word(n, i))
+        w[i] = pat(seed, i);
+    for (size_t i = n / 8 * 8; i < n; i++)
+        ((unsigned char *)p)[i] = (unsigned char)seed;
+}
+
+/* Whether the block still holds what fill wrote. */
+static int intact(const void *p, size_t n, uint64_t seed)
+{
+    const uint64_t *w = p;
+    for (size_t i = 0; i < n / 8; i = next_word(n, i))
+        if (w[i] != pat(seed, i))
+            return 0;
+    for (size_t i = n / 8 * 8; i < n; i++)
+        if (((const unsigned char *)p)[i] != (unsigned char)seed)
+            return 0;
+    return 1;
+}
+
+static uint64_t rss_bytes(void)
+{
+    char buf[256];
+    size_t len = 0;
+    uint64_t rss = 0;
+    const char *why = NULL;
+    CHECK_EQ(mgi_read_path("/proc/self/statm", buf, sizeof(buf), &len), 0);
+    CHECK_EQ(mgi_parse_statm(buf, len, page, &rss, &why), 0);
+    return rss;
+}
+
+/* Every test starts and ends here: nothing allocated, no budget. */
+static void check_idle(void)
+{
+    mg_arena_stats_t s = st();
+    CHECK_EQ(s.allocated_current, 0);
+    CHECK_EQ(s.requested_current, 0);
+    CHECK_EQ(s.active_current, 0);
+    CHECK_EQ(s.budget_bytes, 0);
+    CHECK_EQ(s.num_allocs, s.num_frees);
+}
+
+static void test_init_and_errors(void)
+{
+    CHECK_EQ(mg_arena_init(), 0);
+    CHECK_EQ(mg_arena_init(), 0); /* idempotent */
+    mg_arena_stats_t s = st();
+    CHECK_EQ(s.size, sizeof(mg_arena_stats_t));
+    CHECK_EQ(s.version, MG_ARENA_STATS_VERSION);
+    CHECK(s.reserve_bytes >= ((uint64_t)8 << 30));
+    CHECK_EQ(s.reserved_current, 0);
+    CHECK_EQ(s.cached_bytes, 0);
+    CHECK_EQ(s.num_allocs, 0);
+    check_idle();
+    /* alignment must be a power of two up to 2 MiB; nothing is counted */
+    void *p = (void *)&p;
+    size_t bad[] = {0, 3, 96, 4 * MiB, (size_t)1 << 63};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        CHECK_EQ(mg_arena_alloc(100, bad[i], &p), EINVAL);
+    CHECK(p == (void *)&p); /* untouched on failure */
+    CHECK_EQ(st().num_ooms, 0);
+    CHECK_EQ(st().num_allocs, 0);
+    /* size 0 gives a real, distinct block */
+    void *a = NULL, *b = NULL;
+    CHECK_EQ(mg_arena_alloc(0, 1, &a), 0);
+    CHECK_EQ(mg_arena_alloc(0, 1, &b), 0);
+    CHECK(a && b && a != b);
+    CHECK(mg_arena_usable_size(a) >= 1);
+    mg_arena_free(a);
+    mg_arena_free(b);
+    check_idle();
+}
+
+static int stack_probe(void)
+{
+    char local[64];
+    volatile char *v = local;
+    v[0] = 1;
+    return mg_arena_owns(local);
+}
+
+static void test_ownership(void)
+{
+    static char in_data[64];
+    void *small = NULL, *large = NULL, *aligned = NULL;
+    CHECK_EQ(mg_arena_alloc(24, 8, &small), 0);
+    CHECK_EQ(mg_arena_alloc(3 * MiB, 64, &large), 0);
+    CHECK_EQ(mg_arena_alloc(10, 2 * MiB, &aligned), 0);
+    void *arena[] = {small, large, aligned};
+    for (int i = 0; i < 3; i++) {
+        CHECK(mg_arena_owns(arena[i]));
+        /* every byte of the block, not only its start */
+        CHECK(mg_arena_owns((char *)arena[i] + mg_arena_usable_size(arena[i]) - 1));
+    }
+    void *heap = malloc(100), *big_heap = malloc(8 * MiB);
+    CHECK(heap && big_heap);
+    CHECK(!mg_arena_owns(heap));
+    CHECK(!mg_arena_owns(big_heap));
+    CHECK(!mg_arena_owns(in_data));
+    CHECK(!stack_probe());
+    CHECK(!mg_arena_owns(NULL));
+    CHECK(!mg_arena_owns((void *)(uintptr_t)page));
+    CHECK(!mg_arena_owns((void *)UINTPTR_MAX));
+    free(heap);
+    free(big_heap);
+    for (int i = 0; i < 3; i++)
+        mg_arena_free(arena[i]);
+    check_idle();
+}
+
+/* Allocate nb (2 or 3) blocks of (size, align), side by side when fresh,
+ * fill each to its usable size (see next_word), and check that none
+ * overwrote another, that usable size and alignment are as documented and
+ * that the counters moved by exactly these blocks. Returns the number of
+ * failed checks. */
+static int check_blocks(size_t size, size_t align, uint64_t seed, int nb)
+{
+    int before = mgt_failures;
+    mg_arena_stats_t s0 = st();
+    void *b[3] = {NULL, NULL, NULL};
+    size_t want = usable_bytes(size, align);
+    for (int i = 0; i < nb; i++) {
+        CHECK_EQ(mg_arena_alloc(size, align, &b[i]), 0);
+        if (!b[i])
+            return mgt_failures - before;
+        size_t u = mg_arena_usable_size(b[i]);
+        CHECK_EQ(u, want);
+        CHECK(u >= size);
+        size_t al = align > 64 ? align : 64;
+        if (size <= 512 && align <= 64)
+            CHECK(u < size + 64);
+        else if (size <= 300 * KiB && align <= 64)
+            CHECK(u <= size + size / 4);
+        else /* 25 % of size and header (the alignment), rounded to pages */
+            CHECK(u <= size + (size + al) / 4 + page);
+        CHECK_EQ((uintptr_t)b[i] % al, 0);
+        CHECK(mg_arena_owns(b[i]));
+    }
+    mg_arena_stats_t s1 = st();
+    CHECK_EQ(s1.allocated_current - s0.allocated_current, (size_t)nb * block_bytes(size, align));
+    CHECK_EQ(s1.requested_current - s0.requested_current, (size_t)nb * (size ? size : 1));
+    CHECK_EQ(s1.num_allocs - s0.num_allocs, nb);
+    for (int i = 0; i < nb; i++)
+        fill(b[i], want, seed + (uint64_t)i);
+    for (int i = 0; i < nb; i++)
+        CHECK(intact(b[i], want, seed + (uint64_t)i));
+    /* free in a varying order, so reuse does not always see the same list */
+    int order = (int)(seed % (uint64_t)nb);
+    for (int i = 0; i < nb; i++)
+        mg_arena_free(b[(i + order) % nb]);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(s2.allocated_current, s0.allocated_current);
+    CHECK_EQ(s2.requested_current, s0.requested_current);
+    CHECK_EQ(s2.num_frees - s0.num_frees, nb);
+    return mgt_failures - before;
+}
+
+static int check_size(size_t size, size_t align, uint64_t seed)
+{
+    return check_blocks(size, align, seed, 3);
+}
+
+static void test_small_sizes(void)
+{
+    static const size_t aligns[] = {1, 8, 16, 32, 64};
+    uint64_t seed = 1;
+    int bad = 0;
+    size_t tried = 0;
+    /* every size up to 4 KiB (every third when slow), then steps of 1/128 */
+    for (size_t n = 1; n <= 300 * KiB && bad < 5; tried++) {
+        if (check_size(n, aligns[tried % 5], seed++)) {
+            printf("  size %zu failed\n", n);
+            bad++;
+        }
+        size_t step = n < 4 * KiB ? (slow ? 3 : 1) : n / (slow ? 32 : 128);
+        n += step;
+    }
+    /* each class boundary, one either side, and the small/large switch */
+    for (size_t c = 64; c <= 512 * KiB && bad < 5; c = class_up(c + 1))
+        for (size_t n = c - 1; n <= c + 1; n++, tried++)
+            if (check_size(n, aligns[tried % 5], seed++)) {
+                printf("  size %zu failed\n", n);
+                bad++;
+            }
+    printf("  %zu sizes\n", tried);
+    /* blocks of every class at once: slabs of different classes do not mix */
+    void *all[64];
+    size_t sizes[64], k = 0;
+    for (size_t c = 64; c <= SMALL_MAX && k < 64; c = class_up(c + 1), k++) {
+        sizes[k] = c;
+        all[k] = NULL;
+        CHECK_EQ(mg_arena_alloc(c, 64, &all[k]), 0);
+        if (all[k])
+            fill(all[k], c, 1000 + k);
+    }
+    CHECK_EQ(k, 44); /* 8 up to 512 B, then 4 per doubling to 256 KiB */
+    for (size_t i = 0; i < k; i++)
+        if (all[i]) {
+            CHECK_EQ(mg_arena_usable_size(all[i]), sizes[i]);
+            CHECK(intact(all[i], sizes[i], 1000 + i));
+            mg_arena_free(all[i]);
+        }
+    check_idle();
+}
+
+static void test_large_sizes(void)
+{
+    static const size_t sizes[] = {
+        MiB - 1, MiB, MiB + 1, 3 * MiB / 2, 2 * MiB - 64, 2 * MiB, 3 * MiB + 17, 4 * MiB,
+        5 * MiB + 1, 7 * MiB, 8 * MiB, 12 * MiB + 3, 16 * MiB, 30 * MiB, 32 * MiB + 1,
+        64 * MiB, 100 * MiB, 256 * MiB,
+    };
+    uint64_t seed = 7;
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        if (slow && i % 3 != 0 && sizes[i] != 256 * MiB)
+            continue;
+        if (check_blocks(sizes[i], 64, seed++, sizes[i] < 16 * MiB ? 3 : 2))
+            printf("  size %zu failed\n", sizes[i]);
+        /* give the touched pages back so the run stays small */
+        mg_arena_trim(0, NULL);
+        CHECK_EQ(st().cached_bytes, 0);
+    }
+    check_idle();
+}
+
+static void test_alignment(void)
+{
+    static const size_t sizes[] = {1, 1000, 100 * KiB, 3 * MiB + 5};
+    uint64_t seed = 100;
+    for (size_t a = 128; a <= 2 * MiB; a *= 2)
+        for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
+            if (check_size(sizes[i], a, seed++))
+                printf("  size %zu align %zu failed\n", sizes[i], a);
+    /* fresh blocks land aligned wherever the carving point stands */
+    void *odd = NULL, *p[4] = {NULL};
+    CHECK_EQ(mg_arena_alloc(5 * MiB + 4096 * 3, 64, &odd), 0);
+    for (int i = 0; i < 4; i++) {
+        size_t a = (size_t)8192 << (i * 2);
+        CHECK_EQ(mg_arena_alloc(7 * MiB + 3, a, &p[i]), 0);
+        CHECK_EQ((uintptr_t)p[i] % a, 0);
+    }
+    for (int i = 0; i < 4; i++)
+        mg_arena_free(p[i]);
+    mg_arena_free(odd);
+    mg_arena_trim(0, NULL);
+
+    /* a cached block reused under another alignment: the header moves */
+    void *b = NULL, *c = NULL;
+    CHECK_EQ(mg_arena_alloc(MiB, 64, &b), 0);
+    mg_arena_stats_t s0 = st();
+    mg_arena_free(b);
+    size_t other = MiB + HDR - 4096; /* same class with a 4096-byte offset */
+    CHECK_EQ(block_bytes(other, 4096), block_bytes(MiB, 64));
+    CHECK_EQ(mg_arena_alloc(other, 4096, &c), 0);
+    CHECK_EQ(st().num_cache_hits - s0.num_cache_hits, 1);
+    CHECK_EQ((uintptr_t)c % 4096, 0);
+    CHECK_EQ((char *)c - (char *)b, 4096 - HDR); /* the same block */
+    CHECK_EQ(mg_arena_usable_size(c), usable_bytes(other, 4096));
+    CHECK_EQ(st().reserved_current, s0.reserved_current);
+    CHECK_EQ(st().allocated_current, s0.allocated_current);
+    CHECK_EQ(st().requested_current, s0.requested_current - MiB + other);
+    fill(c, mg_arena_usable_size(c), 3);
+    CHECK(intact(c, mg_arena_usable_size(c), 3));
+    mg_arena_free(c);
+    check_idle();
+
+    /* a 2 MiB-aligned block keeps its header past the first page: trimming
+     * must keep that page, and the released block must come back whole */
+    mg_arena_trim(0, NULL);
+    s0 = st();
+    size_t bs = block_bytes(MiB, 2 * MiB);
+    CHECK_EQ(mg_arena_alloc(MiB, 2 * MiB, &b), 0);
+    CHECK_EQ(st().reserved_current - s0.reserved_current, bs);
+    uint64_t hits0 = st().num_cache_hits; /* b itself may have been a hit */
+    fill(b, MiB, 5);
+    mg_arena_free(b);
+    CHECK_EQ(st().cached_bytes, bs);
+    uint64_t freed = 0;
+    CHECK_EQ(mg_arena_trim(0, &freed), 0);
+    CHECK_EQ(freed, bs);
+    CHECK_EQ(st().cached_bytes, 0);
+    CHECK_EQ(st().reserved_current, s0.reserved_current);
+    for (int round = 0; round < 2; round++) {
+        CHECK_EQ(mg_arena_alloc(MiB, 2 * MiB, &c), 0);
+        CHECK(c == b); /* the released block, reused */
+        CHECK_EQ(mg_arena_usable_size(c), usable_bytes(MiB, 2 * MiB));
+        CHECK_EQ(st().reserved_current - s0.reserved_current, bs);
+        CHECK_EQ(st().allocated_current - s0.allocated_current, bs);
+        mg_arena_free(c);
+        CHECK_EQ(mg_arena_trim(0, &freed), 0);
+        CHECK_EQ(freed, bs);
+    }
+    CHECK_EQ(st().num_cache_hits - hits0, 2);
+    mg_arena_trim(0, NULL);
+    check_idle();
+}
+
+static void test_accounting(void)
+{
+    static const struct {
+        size_t size, align;
+    } req[] = {
+        {1, 1}, {63, 8}, {64, 64}, {65, 16}, {513, 64}, {4000, 64}, {70000, 64},
+        {SMALL_MAX, 64}, {SMALL_MAX + 1, 64}, {100, 128}, {5000, 4096},
+        {MiB + 7, 64}, {9 * MiB, 64}, {300 * KiB, 2 * MiB},
+    };
+    enum { N = sizeof(req) / sizeof(req[0]) };
+    void *p[N];
+    mg_arena_reset_peaks();
+    mg_arena_stats_t s0 = st();
+    CHECK_EQ(s0.allocated_peak, s0.allocated_current);
+    CHECK_EQ(s0.requested_peak, s0.requested_current);
+    CHECK_EQ(s0.reserved_peak, s0.reserved_current);
+    uint64_t blocks = 0, asked = 0, peak_blocks = 0, peak_asked = 0;
+    for (int i = 0; i < N; i++) {
+        CHECK_EQ(mg_arena_alloc(req[i].size, req[i].align, &p[i]), 0);
+        blocks += block_bytes(req[i].size, req[i].align);
+        asked += req[i].size;
+        mg_arena_stats_t s = st();
+        CHECK_EQ(s.allocated_current, s0.allocated_current + blocks);
+        CHECK_EQ(s.active_current, s.allocated_current);
+        CHECK_EQ(s.requested_current, s0.requested_current + asked);
+        CHECK_EQ(s.allocated_peak, s.allocated_current);
+        CHECK_EQ(s.requested_peak, s.requested_current);
+        CHECK(s.reserved_current >= s.allocated_current + s.cached_bytes);
+        CHECK(s.reserved_peak >= s.reserved_current);
+    }
+    peak_blocks = blocks;
+    peak_asked = asked;
+    CHECK_EQ(st().num_allocs - s0.num_allocs, N);
+    /* free every other one: current drops, the peaks stay */
+    for (int i = 0; i < N; i += 2) {
+        mg_arena_free(p[i]);
+        blocks -= block_bytes(req[i].size, req[i].align);
+        asked -= req[i].size;
+    }
+    mg_arena_stats_t s1 = st();
+    CHECK_EQ(s1.allocated_current, s0.allocated_current + blocks);
+    CHECK_EQ(s1.requested_current, s0.requested_current + asked);
+    CHECK_EQ(s1.allocated_peak, s0.allocated_current + peak_blocks);
+    CHECK_EQ(s1.requested_peak, s0.requested_current + peak_asked);
+    CHECK_EQ(s1.active_peak, s1.allocated_peak);
+    CHECK_EQ(s1.num_frees - s0.num_frees, (N + 1) / 2);
+    /* a reset brings the peaks down to now; a new high raises them again */
+    mg_arena_reset_peaks();
+    CHECK_EQ(st().allocated_peak, s1.allocated_current);
+    CHECK_EQ(st().requested_peak, s1.requested_current);
+    CHECK_EQ(st().reserved_peak, s1.reserved_current);
+    void *extra = NULL;
+    CHECK_EQ(mg_arena_alloc(2000, 64, &extra), 0);
+    CHECK_EQ(st().allocated_peak, s1.allocated_current + 2048);
+    CHECK_EQ(st().requested_peak, s1.requested_current + 2000);
+    mg_arena_free(extra);
+    CHECK_EQ(st().allocated_peak, s1.allocated_current + 2048);
+    for (int i = 1; i < N; i += 2)
+        mg_arena_free(p[i]);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(s2.allocated_current, s0.allocated_current);
+    CHECK_EQ(s2.requested_current, s0.requested_current);
+    CHECK_EQ(s2.num_allocs - s0.num_allocs, N + 1);
+    CHECK_EQ(s2.num_frees - s0.num_frees, N + 1);
+    CHECK_EQ(s2.num_ooms, s0.num_ooms);
+    check_idle();
+}
+
+/* Forward allocates activations in order, backward frees them in reverse,
+ * the optimizer step makes and drops a temporary: the same sizes every
+ * step, as in training. */
+static void test_caching(void)
+{
+    static const size_t sizes[] = {
+        64, 1000, 4096, 70000, SMALL_MAX, 300 * KiB, MiB, 4 * MiB + 123, 16 * MiB - 7, MiB,
+        2 * MiB + 1,
+    };
+    enum { N = sizeof(sizes) / sizeof(sizes[0]) };
+    void *p[N];
+    mg_arena_trim(0, NULL);
+    /* alloc, free, alloc: the second comes from the cache, same block */
+    mg_arena_stats_t s0 = st();
+    void *a = NULL, *b = NULL;
+    CHECK_EQ(mg_arena_alloc(3 * MiB, 64, &a), 0);
+    mg_arena_stats_t sa = st(); /* a may itself be a released block, reused */
+    CHECK_EQ(sa.reserved_current - s0.reserved_current, block_bytes(3 * MiB, 64));
+    mg_arena_free(a);
+    CHECK_EQ(st().cached_bytes, block_bytes(3 * MiB, 64));
+    CHECK_EQ(mg_arena_alloc(3 * MiB, 64, &b), 0);
+    CHECK(a == b);
+    CHECK_EQ(st().num_cache_hits - sa.num_cache_hits, 1);
+    CHECK_EQ(st().cached_bytes, 0);
+    CHECK_EQ(st().reserved_current, sa.reserved_current);
+    mg_arena_free(b);
+
+    int steps = slow ? 50 : 1000;
+    uint64_t reserved = 0, cached = 0;
+    for (int step = 0; step <= steps; step++) {
+        mg_arena_stats_t before = st();
+        for (int i = 0; i < N; i++) {
+            CHECK_EQ(mg_arena_alloc(sizes[i], 64, &p[i]), 0);
+            *(volatile char *)p[i] = (char)step;
+        }
+        void *tmp = NULL;
+        CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &tmp), 0);
+        mg_arena_free(tmp);
+        for (int i = N - 1; i >= 0; i--)
+            mg_arena_free(p[i]);
+        mg_arena_stats_t after = st();
+        CHECK_EQ(after.num_allocs - before.num_allocs, N + 1);
+        CHECK_EQ(after.num_frees - before.num_frees, N + 1);
+        CHECK_EQ(after.allocated_current, 0);
+        if (step == 0) { /* warm-up: what the steady state holds */
+            reserved = after.reserved_current;
+            cached = after.cached_bytes;
+            continue;
+        }
+        CHECK_EQ(after.num_cache_hits - before.num_cache_hits, N + 1);
+        CHECK_EQ(after.reserved_current, reserved);
+        CHECK_EQ(after.reserved_peak, before.reserved_peak);
+        CHECK_EQ(after.cached_bytes, cached);
+        if (mgt_failures)
+            break;
+    }
+    check_idle();
+}
+
+static void test_trim(void)
+{
+    mg_arena_trim(0, NULL);
+    mg_arena_stats_t s0 = st();
+    CHECK_EQ(s0.cached_bytes, 0);
+    static const struct {
+        size_t size, align;
+    } req[] = {{64 * MiB, 64}, {5 * MiB, 64}, {300 * KiB, 64}, {MiB, 2 * MiB}, {100, 4096}};
+    enum { N = sizeof(req) / sizeof(req[0]) };
+    void *p[N];
+    uint64_t blocks = 0;
+    uint64_t rss0 = rss_bytes();
+    for (int i = 0; i < N; i++) {
+        CHECK_EQ(mg_arena_alloc(req[i].size, req[i].align, &p[i]), 0);
+        blocks += block_bytes(req[i].size, req[i].align);
+    }
+    memset(p[0], 0x5a, 64 * MiB); /* resident now */
+    uint64_t rss1 = rss_bytes();
+    CHECK(rss1 >= rss0 + 60 * MiB);
+    for (int i = 0; i < N; i++)
+        mg_arena_free(p[i]);
+    mg_arena_stats_t s1 = st();
+    CHECK_EQ(s1.cached_bytes, blocks);
+    CHECK_EQ(s1.reserved_current, s0.reserved_current + blocks);
+    CHECK(rss_bytes() >= rss0 + 60 * MiB); /* cached blocks stay resident */
+    uint64_t freed = 0;
+    CHECK_EQ(mg_arena_trim(0, &freed), 0);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(freed, s1.cached_bytes);
+    CHECK_EQ(s2.cached_bytes, 0);
+    CHECK_EQ(s2.reserved_current, s0.reserved_current);
+    CHECK_EQ(s2.num_trims - s1.num_trims, 1);
+    CHECK_EQ(s2.trimmed_bytes - s1.trimmed_bytes, freed);
+    uint64_t rss2 = rss_bytes();
+    printf("  rss %llu -> %llu -> %llu KiB\n", (unsigned long long)(rss0 >> 10),
+           (unsigned long long)(rss1 >> 10), (unsigned long long)(rss2 >> 10));
+    CHECK(rss2 + 60 * MiB <= rss1);
+    /* nothing left to give back: no trim counted */
+    CHECK_EQ(mg_arena_trim(0, &freed), 0);
+    CHECK_EQ(freed, 0);
+    CHECK_EQ(st().num_trims, s2.num_trims);
+    /* a released block is reused and counted as reserved again */
+    void *again = NULL;
+    CHECK_EQ(mg_arena_alloc(64 * MiB, 64, &again), 0);
+    CHECK(again == p[0]);
+    CHECK_EQ(st().num_cache_hits - s2.num_cache_hits, 1);
+    CHECK_EQ(st().reserved_current, s0.reserved_current + block_bytes(64 * MiB, 64));
+    mg_arena_free(again);
+
+    /* trim to a size: what stays cached is at most keep; the rest is freed */
+    mg_arena_trim(0, NULL);
+    static const size_t three[] = {4 * MiB, 8 * MiB, 16 * MiB};
+    for (int i = 0; i < 3; i++)
+        CHECK_EQ(mg_arena_alloc(three[i], 64, &p[i]), 0);
+    for (int i = 0; i < 3; i++)
+        mg_arena_free(p[i]);
+    mg_arena_stats_t s3 = st();
+    CHECK_EQ(s3.cached_bytes, block_bytes(4 * MiB, 64) + block_bytes(8 * MiB, 64) +
+                                  block_bytes(16 * MiB, 64));
+    CHECK_EQ(mg_arena_trim(10 * MiB, &freed), 0);
+    mg_arena_stats_t s4 = st();
+    CHECK(s4.cached_bytes <= 10 * MiB);
+    CHECK(s4.cached_bytes > 0);
+    CHECK_EQ(s4.cached_bytes + freed, s3.cached_bytes);
+    CHECK_EQ(s4.reserved_current + freed, s3.reserved_current);
+    CHECK_EQ(s4.trimmed_bytes - s3.trimmed_bytes, freed);
+    mg_arena_trim(0, NULL);
+    CHECK_EQ(st().cached_bytes, 0);
+    CHECK_EQ(st().reserved_current, s0.reserved_current);
+    check_idle();
+}
+
+static void test_budget(void)
+{
+    mg_arena_trim(0, NULL);
+    mg_arena_stats_t s0 = st();
+    uint64_t r0 = s0.reserved_current; /* slab chunks only */
+    uint64_t budget = r0 + 64 * MiB;
+    const size_t m40 = 40 * MiB - HDR, m16 = 16 * MiB - HDR, m48 = 48 * MiB - HDR;
+    CHECK_EQ(block_bytes(m40, 64), 40 * MiB);
+    CHECK_EQ(block_bytes(m16, 64), 16 * MiB);
+    CHECK_EQ(block_bytes(m48, 64), 48 * MiB);
+    mg_arena_set_budget(budget);
+    CHECK_EQ(st().budget_bytes, budget);
+    mg_arena_reset_peaks();
+
+    void *a = NULL, *b = NULL, *c = NULL, *d = NULL, *x = NULL;
+    CHECK_EQ(mg_arena_alloc(m40, 64, &a), 0);
+    CHECK_EQ(st().reserved_current, r0 + 40 * MiB);
+    /* a second one would pass the budget: refused, nothing reserved */
+    CHECK_EQ(mg_arena_alloc(m40, 64, &b), ENOMEM);
+    CHECK(b == NULL);
+    mg_arena_stats_t s1 = st();
+    CHECK_EQ(s1.num_ooms - s0.num_ooms, 1);
+    CHECK_EQ(s1.reserved_current, r0 + 40 * MiB);
+    CHECK_EQ(s1.allocated_current, 40 * MiB);
+    CHECK_EQ(s1.num_trims, s0.num_trims); /* there was no cache to release */
+    /* a smaller one that fits still does */
+    CHECK_EQ(mg_arena_alloc(m16, 64, &c), 0);
+    CHECK_EQ(st().reserved_current, r0 + 56 * MiB);
+    CHECK_EQ(mg_arena_alloc(m16, 64, &d), ENOMEM);
+    CHECK_EQ(st().num_ooms - s0.num_ooms, 2);
+    /* up to the budget exactly is allowed */
+    CHECK_EQ(mg_arena_alloc(8 * MiB - HDR, 64, &d), 0);
+    CHECK_EQ(st().reserved_current, budget);
+    mg_arena_free(d);
+    mg_arena_free(c);
+    mg_arena_free(a);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(s2.cached_bytes, 64 * MiB);
+    CHECK_EQ(s2.reserved_current, budget);
+
+    /* a new size does not fit beside the cache: the cache goes first */
+    CHECK_EQ(mg_arena_alloc(m48, 64, &x), 0);
+    mg_arena_stats_t s3 = st();
+    CHECK_EQ(s3.num_trims - s2.num_trims, 1);
+    CHECK_EQ(s3.trimmed_bytes - s2.trimmed_bytes, 64 * MiB);
+    CHECK_EQ(s3.cached_bytes, 0);
+    CHECK_EQ(s3.reserved_current, r0 + 48 * MiB);
+    CHECK_EQ(s3.num_ooms, s2.num_ooms);
+    CHECK(s3.reserved_peak <= budget);
+    mg_arena_free(x);
+
+    /* a lower budget releases the cache at once */
+    budget = r0 + 16 * MiB;
+    mg_arena_set_budget(budget);
+    mg_arena_stats_t s4 = st();
+    CHECK_EQ(s4.cached_bytes, 0);
+    CHECK_EQ(s4.reserved_current, r0);
+    CHECK_EQ(s4.num_trims - s3.num_trims, 1);
+    /* the released 48 MiB block cannot come back under it */
+    CHECK_EQ(mg_arena_alloc(m48, 64, &x), ENOMEM);
+    CHECK_EQ(st().reserved_current, r0);
+    CHECK_EQ(mg_arena_alloc(m16, 64, &c), 0);
+    CHECK_EQ(st().reserved_current, budget);
+    CHECK_EQ(mg_arena_alloc(MiB, 64, &d), ENOMEM);
+    /* small blocks in a slab chunk that has room need no new reservation */
+    void *s = NULL;
+    CHECK_EQ(mg_arena_alloc(100, 64, &s), 0);
+    CHECK_EQ(st().reserved_current, budget);
+    mg_arena_free(s);
+    mg_arena_free(c);
+    CHECK_EQ(st().num_ooms - s0.num_ooms, 4);
+
+    /* a budget below what is reserved and not cached: nothing new fits */
+    mg_arena_set_budget(r0 / 2 ? r0 / 2 : 1);
+    mg_arena_stats_t s5 = st();
+    CHECK_EQ(mg_arena_alloc(m16, 64, &c), ENOMEM);
+    CHECK_EQ(st().reserved_current, s5.reserved_current);
+    CHECK(st().reserved_current <= r0 + 16 * MiB);
+
+    /* small blocks: a class out of room takes a whole 2 MiB slab chunk,
+     * which the budget counts like any other reservation */
+    mg_arena_trim(0, NULL);
+    uint64_t r = st().reserved_current;
+    mg_arena_set_budget(r);
+    enum { MAXB = 80 };
+    void *sb[MAXB];
+    int got = 0, rc = 0;
+    while (got < MAXB && (rc = mg_arena_alloc(SMALL_MAX, 64, &sb[got])) == 0)
+        got++; /* cached blocks of the class, then the rest of its chunk */
+    CHECK_EQ(rc, ENOMEM);
+    CHECK_EQ(st().reserved_current, r);
+    mg_arena_set_budget(r + 2 * MiB);
+    int more = 0;
+    while (got < MAXB && (rc = mg_arena_alloc(SMALL_MAX, 64, &sb[got])) == 0) {
+        got++;
+        more++;
+    }
+    CHECK_EQ(rc, ENOMEM);
+    CHECK_EQ(more, 2 * MiB / SMALL_MAX); /* one new chunk, filled exactly */
+    CHECK_EQ(st().reserved_current, r + 2 * MiB);
+    for (int i = 0; i < got; i++)
+        mg_arena_free(sb[i]);
+    CHECK_EQ(st().reserved_current, r + 2 * MiB); /* slab chunks are kept */
+
+    mg_arena_set_budget(0);
+    CHECK_EQ(st().budget_bytes, 0);
+    CHECK_EQ(mg_arena_alloc(m48, 64, &x), 0); /* no budget: fine again */
+    mg_arena_free(x);
+    mg_arena_trim(0, NULL);
+    check_idle();
+}
+
+/* Requests that can never fit fail cleanly, leaving every counter but
+ * num_ooms where it was. */
+static void test_huge_requests(void)
+{
+    mg_arena_stats_t s0 = st();
+    /* a live large block, so the large range is not empty */
+    void *live = NULL;
+    CHECK_EQ(mg_arena_alloc(MiB, 64, &live), 0);
+    mg_arena_stats_t s1 = st();
+    uint64_t range = s0.reserve_bytes / 4 * 3; /* what large blocks may take */
+    static const size_t aligns[] = {1, 64, 4096, 2 * MiB};
+    size_t huge[] = {
+        SIZE_MAX, SIZE_MAX - 4096, SIZE_MAX / 2, (size_t)1 << 62, (size_t)s0.reserve_bytes,
+        (size_t)range, (size_t)range - HDR, (size_t)range - 2 * MiB,
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof(huge) / sizeof(huge[0]); i++)
+        for (size_t j = 0; j < sizeof(aligns) / sizeof(aligns[0]); j++) {
+            void *p = NULL;
+            int rc = mg_arena_alloc(huge[i], aligns[j], &p);
+            CHECK_EQ(rc, ENOMEM);
+            if (rc == 0) {
+                printf("  size %zu align %zu: got a block\n", huge[i], aligns[j]);
+                mg_arena_free(p);
+            }
+            n++;
+            mg_arena_stats_t s = st();
+            CHECK_EQ(s.reserved_current, s1.reserved_current);
+            CHECK_EQ(s.allocated_current, s1.allocated_current);
+            CHECK_EQ(s.requested_current, s1.requested_current);
+        }
+    CHECK_EQ(st().num_ooms - s1.num_ooms, n);
+    CHECK_EQ(st().num_allocs, s1.num_allocs);
+    /* the arena still works afterwards */
+    void *p = NULL;
+    CHECK_EQ(mg_arena_alloc(2 * MiB, 64, &p), 0);
+    mg_arena_free(p);
+    mg_arena_free(live);
+    mg_arena_trim(0, NULL);
+    check_idle();
+}
+
+/* ---- threads ------------------------------------------------------------ */
+
+typedef struct worker {
+    pthread_t tid;
+    uint64_t rng;
+    uint64_t allocs, ooms, errors, corrupt;
+    atomic_int *stop;
+} worker_t;
+
+static uint64_t next_rand(uint64_t *s)
+{
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+
+/* Mostly small blocks, some medium and a few large, at mixed alignments. */
+static size_t random_size(uint64_t *rng, size_t *align)
+{
+    uint64_t r = next_rand(rng);
+    static const size_t aligns[] = {1, 16, 64, 64, 64, 256, 4096, 64};
+    *align = aligns[(r >> 8) % 8];
+    switch (r % 20) {
+    case 0: return 2 * MiB + (size_t)(r >> 20) % (10 * MiB);
+    case 1: case 2: case 3: case 4: return SMALL_MAX + (size_t)(r >> 20) % (2 * MiB);
+    default: return 1 + (size_t)(r >> 20) % (64 * KiB);
+    }
+}
+
+/* A tag at both ends of a block, unique to its owner and allocation. */
+static void tag(void *p, size_t n, uint64_t t)
+{
+    memcpy(p, &t, 8);
+    memcpy((char *)p + n - 8, &t, 8);
+}
+
+static int tagged(const void *p, size_t n, uint64_t t)
+{
+    uint64_t a, b;
+    memcpy(&a, p, 8);
+    memcpy(&b, (const char *)p + n - 8, 8);
+    return a == t && b == t;
+}
+
+enum { SLOTS = 24 };
+
+static void *churn(void *arg)
+{
+    worker_t *w = arg;
+    void *slot[SLOTS] = {NULL};
+    uint64_t tags[SLOTS] = {0};
+    while (!atomic_load_explicit(w->stop, memory_order_relaxed)) {
+        unsigned i = (unsigned)(next_rand(&w->rng) % SLOTS);
+        if (slot[i]) {
+            size_t u = mg_arena_usable_size(slot[i]);
+            if (!tagged(slot[i], u, tags[i]))
+                w->corrupt++;
+            mg_arena_free(slot[i]);
+            slot[i] = NULL;
+            continue;
+        }
+        size_t align, n = random_size(&w->rng, &align);
+        int rc = mg_arena_alloc(n, align, &slot[i]);
+        if (rc == ENOMEM) {
+            w->ooms++;
+            slot[i] = NULL;
+        } else if (rc != 0 || !slot[i] || (uintptr_t)slot[i] % align ||
+                   mg_arena_usable_size(slot[i]) < n) {
+            w->errors++;
+            slot[i] = NULL;
+        } else {
+            w->allocs++;
+            tags[i] = next_rand(&w->rng) | 1;
+            tag(slot[i], mg_arena_usable_size(slot[i]), tags[i]);
+        }
+    }
+    for (unsigned i = 0; i < SLOTS; i++)
+        if (slot[i]) {
+            if (!tagged(slot[i], mg_arena_usable_size(slot[i]), tags[i]))
+                w->corrupt++;
+            mg_arena_free(slot[i]);
+        }
+    return NULL;
+}
+
+typedef struct watcher {
+    pthread_t tid;
+    uint64_t budget, max_seen, over, reads;
+    atomic_int *stop;
+} watcher_t;
+
+static void *watch(void *arg)
+{
+    watcher_t *w = arg;
+    while (!atomic_load_explicit(w->stop, memory_order_relaxed)) {
+        mg_arena_stats_t s;
+        mg_arena_stats(&s);
+        w->reads++;
+        if (s.reserved_current > w->max_seen)
+            w->max_seen = s.reserved_current;
+        if (s.reserved_current > w->budget)
+            w->over++;
+    }
+    return NULL;
+}
+
+static void test_budget_race(void)
+{
+    enum { THREADS = 4 };
+    mg_arena_trim(0, NULL);
+    mg_arena_stats_t s0 = st();
+    uint64_t budget = s0.reserved_current + 48 * MiB;
+    mg_arena_set_budget(budget);
+    mg_arena_reset_peaks();
+    atomic_int stop = 0;
+    worker_t w[THREADS];
+    watcher_t wt = {.budget = budget, .stop = &stop};
+    for (int i = 0; i < THREADS; i++) {
+        w[i] = (worker_t){.rng = 0x1234567ULL * (uint64_t)(i + 1) + 99, .stop = &stop};
+        CHECK_EQ(pthread_create(&w[i].tid, NULL, churn, &w[i]), 0);
+    }
+    CHECK_EQ(pthread_create(&wt.tid, NULL, watch, &wt), 0);
+    int64_t t0 = mgi_clock_ns(CLOCK_MONOTONIC), run_ns = slow ? 500000000 : 1000000000;
+    while (mgi_clock_ns(CLOCK_MONOTONIC) - t0 < run_ns) {
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        CHECK(st().reserved_current <= budget);
+    }
+    atomic_store(&stop, 1);
+    uint64_t allocs = 0, ooms = 0, errors = 0, corrupt = 0;
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(w[i].tid, NULL);
+        allocs += w[i].allocs;
+        ooms += w[i].ooms;
+        errors += w[i].errors;
+        corrupt += w[i].corrupt;
+    }
+    pthread_join(wt.tid, NULL);
+    mg_arena_stats_t s1 = st();
+    printf("  %llu allocs, %llu refused, %llu reads, reserved up to %llu of %llu\n",
+           (unsigned long long)allocs, (unsigned long long)ooms, (unsigned long long)wt.reads,
+           (unsigned long long)wt.max_seen, (unsigned long long)budget);
+    CHECK_EQ(errors, 0);
+    CHECK_EQ(corrupt, 0);
+    CHECK(allocs > 100);
+    CHECK(ooms > 0); /* the budget was reached, so the test means something */
+    CHECK_EQ(wt.over, 0);
+    CHECK(wt.max_seen <= budget);
+    CHECK(s1.reserved_peak <= budget);
+    CHECK(s1.reserved_current <= budget);
+    CHECK_EQ(s1.allocated_current, s0.allocated_current);
+    CHECK_EQ(s1.requested_current, s0.requested_current);
+    CHECK_EQ(s1.num_allocs - s0.num_allocs, allocs);
+    CHECK_EQ(s1.num_frees - s0.num_frees, allocs);
+    CHECK_EQ(s1.num_ooms - s0.num_ooms, ooms);
+    /* everything is cache or slab now: releasing the cache leaves slabs */
+    mg_arena_trim(0, NULL);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(s2.cached_bytes, 0);
+    CHECK_EQ((s2.reserved_current - s0.reserved_current) % (2 * MiB), 0); /* new slab chunks */
+    mg_arena_set_budget(0);
+    check_idle();
+}
+
+/* ---- fork --------------------------------------------------------------- */
+
+/* In the child: the arena works, counters move exactly. 0 when all is well. */
+static int child_main(void)
+{
+    int fails = 0;
+    alarm(20); /* a lock left held would hang here: die instead */
+    mg_arena_stats_t s0 = st();
+    static const size_t sizes[] = {1, 100, 5000, 200 * KiB, 3 * MiB, 700 * KiB};
+    void *p[6];
+    uint64_t blocks = 0;
+    for (int i = 0; i < 6; i++) {
+        if (mg_arena_alloc(sizes[i], i == 5 ? 8192 : 64, &p[i]) != 0)
+            return 1;
+        blocks += block_bytes(sizes[i], i == 5 ? 8192 : 64);
+        memset(p[i], i, sizes[i]);
+    }
+    mg_arena_stats_t s1 = st();
+    fails += s1.allocated_current - s0.allocated_current != blocks;
+    for (int i = 0; i < 6; i++)
+        mg_arena_free(p[i]);
+    fails += st().allocated_current != s0.allocated_current;
+    fails += mg_arena_trim(0, NULL) != 0;
+    fails += st().cached_bytes != 0;
+    return fails;
+}
+
+static void test_fork(void)
+{
+    /* ThreadSanitizer cannot follow it: the prepare handler holds every
+     * class lock at once, past the 64 its deadlock detector can track */
+    if (getenv("MGTEST_SKIP_FORK")) {
+        printf("skip test_fork: MGTEST_SKIP_FORK is set\n");
+        return;
+    }
+    enum { THREADS = 2 };
+    mg_arena_stats_t s0 = st();
+    atomic_int stop = 0;
+    worker_t w[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        w[i] = (worker_t){.rng = 0xABCDEFULL * (uint64_t)(i + 3), .stop = &stop};
+        CHECK_EQ(pthread_create(&w[i].tid, NULL, churn, &w[i]), 0);
+    }
+    int forks = slow ? 4 : 40;
+    for (int k = 0; k < forks; k++) {
+        fflush(stdout);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0)
+            _exit(child_main() ? 1 : 0); /* no atexit handlers: the parent owns them */
+        int status = 0;
+        CHECK_EQ(waitpid(pid, &status, 0), pid);
+        CHECK(WIFEXITED(status));
+        if (WIFSIGNALED(status))
+            printf("  child %d died of signal %d\n", k, WTERMSIG(status));
+        CHECK_EQ(WEXITSTATUS(status), 0);
+        if (mgt_failures)
+            break;
+    }
+    atomic_store(&stop, 1);
+    uint64_t allocs = 0;
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(w[i].tid, NULL);
+        CHECK_EQ(w[i].errors, 0);
+        CHECK_EQ(w[i].corrupt, 0);
+        allocs += w[i].allocs;
+    }
+    CHECK(allocs > 0);
+    CHECK_EQ(st().num_allocs - s0.num_allocs, allocs);
+    mg_arena_trim(0, NULL);
+    check_idle();
+}
+
+int main(void)
+{
+    mgt_begin();
+    page = (size_t)sysconf(_SC_PAGESIZE);
+    const char *pre = getenv("LD_PRELOAD"), *env = getenv("MGTEST_SLOW");
+    slow = (env && *env && strcmp(env, "0") != 0) || (pre && strstr(pre, "vgpreload"));
+    full_max = slow ? 256 * KiB : 64 * MiB;
+#ifdef __SANITIZE_THREAD__
+    full_max = 256 * KiB; /* every byte written costs shadow memory; races are what counts here */
+#endif
+    if (slow)
+        printf("slow mode: shorter loops, large blocks written at their ends\n");
+    RUN(test_init_and_errors);
+    RUN(test_ownership);
+    RUN(test_small_sizes);
+    RUN(test_large_sizes);
+    RUN(test_alignment);
+    RUN(test_accounting);
+    RUN(test_caching);
+    RUN(test_trim);
+    RUN(test_budget);
+    RUN(test_huge_requests);
+    RUN(test_budget_race);
+    RUN(test_fork);
+    return mgt_result();
+}
