@@ -52,7 +52,8 @@ def test_doctor_runs():
 @pytest.mark.slow
 def test_demo_shows_pressure_rising_and_falling(tmp_path):
     path = tmp_path / "demo.jsonl"
-    out = run("demo", "--seconds", "9", "--out", str(path), timeout=180)
+    out = run("demo", "--seconds", "9", "--validate-every", "1", "--out", str(path),
+              timeout=180)
     assert out.returncode == 0, out.stderr
     assert "done:" in out.stdout and str(path) in out.stdout
     meta, samples, events = read_jsonl(path)

@@ -375,3 +375,91 @@ def test_fork_child_of_dataloader_style_workers():
 
 def _child_sample_rss(_: int) -> int:
     return memguard.sample().rss_bytes
+
+
+# ---- regressions: each of these failed before its fix --------------------------
+
+
+def test_history_of_absurd_length_is_bounded():
+    s = Sampler(ring_size=16)
+    for _ in range(20):
+        s.sample_now()
+    assert [x.seq for x in s.history(2**61)] == list(range(5, 21))
+    assert s._c.since(0, 0) == ([], 0)
+
+
+def test_start_stop_races_neither_hang_nor_duplicate():
+    seen = []
+    s = Sampler(interval_ms=5)
+    s.on_sample(lambda x: seen.append(x.seq))
+    done = threading.Event()
+
+    def flip():
+        for _ in range(100):
+            s.start()
+            time.sleep(0.001)
+            s.stop()
+        done.set()
+
+    threads = [threading.Thread(target=flip, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert done.wait(60), "stop() hung"
+    for t in threads:
+        t.join(60)
+    s.stop()
+    assert len(seen) == len(set(seen)), "a sample was delivered twice"
+    assert seen == sorted(seen)
+
+
+def test_pressure_events_are_not_missed_while_the_callback_thread_waits():
+    """With only on_pressure registered, a whole excursion that happens while
+    the callback thread cannot run is still reported, step by step."""
+    rss = Sampler().sample_now().rss_bytes
+    events = []
+    s = Sampler(interval_ms=5, budget=rss * 100, pressure={"calm_samples": 1})
+    s.on_pressure(events.append)
+    old = sys.getswitchinterval()
+    with s:
+        time.sleep(0.05)
+        sys.setswitchinterval(10.0)  # this thread keeps the GIL while it spins
+        try:
+            s.set_budget(int(rss / 0.99))
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 0.08:
+                pass
+            s.set_budget(rss * 100)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 0.08:
+                pass
+        finally:
+            sys.setswitchinterval(old)
+        time.sleep(0.2)
+    levels = [(e.old, e.new) for e in events]
+    assert (Level.OK, Level.CRITICAL) in levels
+    assert levels[-1][1] == Level.OK
+
+
+def test_fork_child_does_not_inherit_the_exporter(tmp_path):
+    path = tmp_path / "parent.jsonl"
+    parent = Sampler(interval_ms=5, export=path)
+    parent.start()
+    time.sleep(0.05)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal_alarm = __import__("signal")
+            signal_alarm.alarm(20)  # a deadlock ends the child instead of the suite
+            parent.start()
+            time.sleep(0.05)
+            parent.stop()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    parent.stop()
+    assert os.waitstatus_to_exitcode(status) == 0
+    _, samples, _ = read_jsonl(path)
+    seqs = [x.seq for x in samples]
+    assert seqs == sorted(seqs) and len(seqs) == len(set(seqs))  # only the parent wrote

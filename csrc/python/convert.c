@@ -163,10 +163,14 @@ PyObject *mgpy_sample_fields(void)
     if (!t)
         return NULL;
     const char *extra[] = {"t", "interval_s", "sample_cost_us", "reasons"};
-    for (size_t i = 0; i < 4; i++)
-        PyTuple_SET_ITEM(t, (Py_ssize_t)i, PyUnicode_FromString(extra[i]));
-    for (size_t i = 0; i < N_FIELDS; i++)
-        PyTuple_SET_ITEM(t, (Py_ssize_t)(i + 4), PyUnicode_FromString(fields[i].name));
+    for (size_t i = 0; i < N_FIELDS + 4; i++) {
+        PyObject *name = PyUnicode_FromString(i < 4 ? extra[i] : fields[i - 4].name);
+        if (!name) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, name);
+    }
     return t;
 }
 

@@ -82,9 +82,8 @@ static PyModuleDef_Slot slots[] = {
 #ifdef Py_mod_multiple_interpreters
     {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_NOT_SUPPORTED},
 #endif
-#ifdef Py_mod_gil
-    {Py_mod_gil, Py_MOD_GIL_NOT_USED},
-#endif
+    /* Py_mod_gil is left at its default (the GIL is used): PressureModel and
+     * Sampler objects are not locked against free-threaded callers. */
     {0, NULL},
 };
 

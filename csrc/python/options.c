@@ -21,7 +21,7 @@ PyObject *mgpy_option_set(PyObject *m, PyObject *args)
 {
     (void)m;
     const char *name, *value;
-    if (!PyArg_ParseTuple(args, "ss", &name, &value))
+    if (!PyArg_ParseTuple(args, "ss", &name, &value)) /* "s" refuses embedded NULs */
         return NULL;
     int rc = mg_option_set(name, value);
     if (rc == ENOENT) {

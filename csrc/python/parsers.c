@@ -121,11 +121,27 @@ out:
     return d;
 }
 
+/* UTF-8 of a str without embedded NULs (which C would silently cut at). */
+static const char *text_of(PyObject *obj, const char *what)
+{
+    Py_ssize_t n;
+    const char *t = PyUnicode_AsUTF8AndSize(obj, &n);
+    if (t && strlen(t) != (size_t)n) {
+        PyErr_Format(PyExc_ValueError, "%s %R holds a NUL character", what, obj);
+        return NULL;
+    }
+    return t;
+}
+
 PyObject *mgpy_parse_size(PyObject *m, PyObject *arg)
 {
     (void)m;
-    const char *text = PyUnicode_AsUTF8(arg);
     uint64_t v;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_ValueError, "%R is not a byte size", arg);
+        return NULL;
+    }
+    const char *text = text_of(arg, "size");
     if (!text)
         return NULL;
     int rc = mg_parse_size(text, &v);
@@ -147,7 +163,10 @@ PyObject *mgpy_parse_budget(PyObject *m, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "UK|K", kwlist, &obj, &total, &available))
         return NULL;
     uint64_t v;
-    int rc = mg_parse_budget(PyUnicode_AsUTF8(obj), total, available, &v);
+    const char *text = text_of(obj, "budget");
+    if (!text)
+        return NULL;
+    int rc = mg_parse_budget(text, total, available, &v);
     if (rc == ERANGE) {
         PyErr_Format(PyExc_ValueError, "budget %R is out of range (percentages lie in (0, 100])",
                      obj);

@@ -2,12 +2,14 @@
  * that may block (start, stop, sample_now, wait) releases the GIL; nothing
  * here calls back into Python from the sampler thread. */
 #include <errno.h>
+#include <limits.h>
 
 #include "mgpy.h"
 
 typedef struct {
     PyObject_HEAD
     mg_sampler_t *s;
+    uint32_t ring_size; /* bounds since()'s buffer */
 } SamplerObject;
 
 static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kw)
@@ -26,7 +28,7 @@ static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_RuntimeError, "Sampler already initialised");
         return -1;
     }
-    if (interval_ms != 0 && (interval_ms < 5 || interval_ms > 60000)) {
+    if (interval_ms != 0 && !(interval_ms >= 5 && interval_ms <= 60000)) { /* NaN too */
         PyErr_Format(PyExc_ValueError, "interval_ms must lie in [5, 60000], got %R",
                      PyTuple_Size(args) ? PyTuple_GET_ITEM(args, 0) : PyDict_GetItemString(kw, "interval_ms"));
         return -1;
@@ -46,6 +48,7 @@ static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kw)
         .cgroup_root = cgroup_root,
         .pressure = &popts,
     };
+    self->ring_size = ring_size ? ring_size : (uint32_t)mgi_option_long(MGI_OPT_RING_SIZE);
     int rc = mg_sampler_create(&cfg, &self->s);
     if (rc) {
         mgpy_raise(rc, "cannot create the sampler (interval, ring size or roots invalid)");
@@ -144,8 +147,10 @@ static PyObject *Sampler_since(SamplerObject *self, PyObject *args)
     if (!ready(self) || !PyArg_ParseTuple(args, "K|n", &after, &limit))
         return NULL;
     if (limit < 1)
-        return PyList_New(0);
-    mg_sample_t *buf = PyMem_Malloc((size_t)limit * sizeof(mg_sample_t));
+        return Py_BuildValue("(NK)", PyList_New(0), 0ULL);
+    if ((size_t)limit > self->ring_size) /* never more than the ring holds */
+        limit = (Py_ssize_t)self->ring_size;
+    mg_sample_t *buf = PyMem_New(mg_sample_t, (size_t)limit);
     if (!buf)
         return PyErr_NoMemory();
     size_t n;
@@ -175,7 +180,8 @@ static PyObject *Sampler_wait(SamplerObject *self, PyObject *arg)
         return NULL;
     if (!ready(self))
         return NULL;
-    int ms = timeout < 0 ? -1 : (int)(timeout * 1000);
+    /* negative: forever; NaN or beyond int milliseconds: as long as poll allows */
+    int ms = timeout < 0 ? -1 : !(timeout < INT_MAX / 1000.0) ? INT_MAX : (int)(timeout * 1000);
     Py_BEGIN_ALLOW_THREADS
     rc = mg_sampler_wait(self->s, ms, &wake);
     Py_END_ALLOW_THREADS

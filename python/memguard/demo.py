@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default=None,
                    help="budget; default: resident memory after warm-up + 768 MiB")
     p.add_argument("--interval", type=float, default=50, help="sampling period in ms (=50)")
+    p.add_argument("--validate-every", type=int, default=3,
+                   help="epochs (20 steps each) between validation passes (=3)")
     args = p.parse_args(argv)
 
     import torch
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 train_step(steps)
                 steps += 1
             epoch += 1
-            if epoch % 3 == 0:
+            if epoch % max(1, args.validate_every) == 0:
                 # validation that forgets no_grad() and keeps every output
                 exporter.event("validation_start", epoch=epoch)
                 kept = []

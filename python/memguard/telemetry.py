@@ -211,7 +211,8 @@ class Sampler:
         self._on_sample: list[Callable[[Sample], Any]] = []
         self._on_pressure: list[Callable[[PressureEvent], Any]] = []
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._stop_evt = threading.Event()  # one per callback-thread run, set by stop()
+        self._dispatch_lock = threading.Lock()  # one _dispatch at a time
         self._last_seq = 0
         self._last_level = Level.OK
         self._exporter: _Exporter | None = None
@@ -226,14 +227,23 @@ class Sampler:
         with self._lock:
             if self._thread is not None:
                 return self
+            opened = None
             if self._export_path is not None and self._exporter is None:
-                self._exporter = open_exporter(self._export_path)
-                self._on_sample.append(self._exporter)
+                opened = self._exporter = open_exporter(self._export_path)
+                self._on_sample.append(opened)
                 self._c.notify_samples(True)
-            self._stopping = False
-            self._c.start()
+            try:
+                self._c.start()
+            except BaseException:
+                if opened is not None:
+                    self._on_sample.remove(opened)
+                    self._exporter = None
+                    opened.close()
+                raise
+            self._stop_evt = threading.Event()
             self._thread = threading.Thread(
-                target=self._run, name="memguard-telemetry", daemon=True
+                target=self._run, args=(self._stop_evt,), name="memguard-telemetry",
+                daemon=True,
             )
             self._thread.start()
         return self
@@ -245,15 +255,16 @@ class Sampler:
             if thread is None:
                 return
             self._c.stop()
-            self._stopping = True
+            self._stop_evt.set()
             self._c.wake()
+            exporter, self._exporter = self._exporter, None
         if thread is not threading.current_thread():
             thread.join()
-        with self._lock:
-            if self._exporter is not None:
-                self._on_sample.remove(self._exporter)
-                self._exporter.close()
-                self._exporter = None
+        if exporter is not None:
+            with self._lock:
+                if exporter in self._on_sample:
+                    self._on_sample.remove(exporter)
+            exporter.close()
 
     @property
     def running(self) -> bool:
@@ -335,31 +346,33 @@ class Sampler:
             self._c.notify_samples(bool(self._on_sample))
 
     # -- the callback thread -----------------------------------------------
-    def _run(self) -> None:
+    def _run(self, stop_evt: threading.Event) -> None:
         while True:
-            stopping = self._stopping
+            stopping = stop_evt.is_set()
             self._c.wait(0 if stopping else 1.0)
             self._dispatch()
             if stopping:
                 return
 
     def _dispatch(self) -> None:
-        with self._lock:
-            on_sample = list(self._on_sample)
-            on_pressure = list(self._on_pressure)
-        if not on_sample:
-            # only level changes matter: the newest sample tells
-            d = self._c.latest()
-            if d is not None and d["seq"] != self._last_seq:
-                self._deliver(Sample.from_dict(d), on_sample, on_pressure)
-            return
-        while True:
-            batch, dropped = self._c.since(self._last_seq, 1024)
-            self.dropped += dropped
-            if not batch:
+        with self._dispatch_lock:
+            with self._lock:
+                on_sample = list(self._on_sample)
+                on_pressure = list(self._on_pressure)
+            if not on_sample and not on_pressure:
+                d = self._c.latest()  # nobody listens: just keep up
+                if d is not None:
+                    self._last_seq = d["seq"]
+                    self._last_level = Level(d["level"])
                 return
-            for d in batch:
-                self._deliver(Sample.from_dict(d), on_sample, on_pressure)
+            # every sample in order, so no level change is missed or merged
+            while True:
+                batch, dropped = self._c.since(self._last_seq, 1024)
+                self.dropped += dropped
+                if not batch:
+                    return
+                for d in batch:
+                    self._deliver(Sample.from_dict(d), on_sample, on_pressure)
 
     def _deliver(self, s: Sample, on_sample: list, on_pressure: list) -> None:
         self._last_seq = s.seq
@@ -378,11 +391,17 @@ class Sampler:
                     _report_callback_error(cb)
 
     def _after_fork_in_child(self) -> None:
-        # The C layer stopped itself in the child; only the bookkeeping of
-        # the dead callback thread is left to drop.
+        # The C layer stopped itself in the child; the dead callback thread's
+        # bookkeeping goes, and so does the exporter: its file is the
+        # parent's, and its lock may have been held at the fork.
         self._lock = threading.Lock()
+        self._dispatch_lock = threading.Lock()
+        self._stop_evt = threading.Event()
         self._thread = None
-        self._stopping = False
+        if self._exporter is not None:
+            self._on_sample.remove(self._exporter)
+            self._exporter = None
+        self._export_path = None
 
 
 def _after_fork_in_child() -> None:
