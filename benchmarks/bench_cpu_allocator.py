@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
-from memguard import run as mrun  # noqa: E402
+from memguard import run as mrun
 
 CONFIGS = ["glibc", "glibc-tuned", "jemalloc", "memguard-preload", "memguard-inprocess"]
 WORKLOADS = ["vit-b8", "vit-b32", "dino-multicrop"]

@@ -4,6 +4,7 @@ The arena is process-wide; every test leaves it installed with no budget."""
 from __future__ import annotations
 
 import gc
+import math
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import memguard  # noqa: E402
+import memguard
 
 MiB = 2**20
 
@@ -184,7 +185,7 @@ def test_uninstall_with_live_tensors():
     other = torch.randn(512, 512)  # system allocator now
     assert memguard.stats()["allocated_bytes.current"] == mine
     total = float((live @ other).sum())  # both kinds work together
-    assert total == total
+    assert math.isfinite(total)
     del live
     assert memguard.stats()["allocated_bytes.current"] < mine  # our block came home
     del other
