@@ -269,7 +269,7 @@ def test_jsonl_export_roundtrip(tmp_path):
     with Sampler(interval_ms=10, export=path) as s:
         time.sleep(0.2)
     meta, samples, events = read_jsonl(path)
-    assert meta["schema"] == "memguard.telemetry" and meta["schema_version"] == 1
+    assert meta["schema"] == "memguard.telemetry" and meta["schema_version"] == 2
     assert meta["fields"] == list(FIELD_NAMES)
     assert [x.seq for x in samples] == [x.seq for x in s.history()]
     assert samples[-1] == s.history()[-1]  # every field survives the trip
@@ -305,7 +305,7 @@ def test_csv_export(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["schema_version", *FIELD_NAMES]
-    assert rows[0]["schema_version"] == "1"
+    assert rows[0]["schema_version"] == "2"
     assert int(rows[1]["rss_bytes"]) == b.rss_bytes
     assert rows[0]["interval_s"] == ""  # None is an empty cell, not 0
     assert rows[1]["level"] == b.level.name
@@ -463,3 +463,12 @@ def test_fork_child_does_not_inherit_the_exporter(tmp_path):
     _, samples, _ = read_jsonl(path)
     seqs = [x.seq for x in samples]
     assert seqs == sorted(seqs) and len(seqs) == len(set(seqs))  # only the parent wrote
+
+
+def test_version_1_files_still_read(tmp_path):
+    """Files written before the arena fields existed read with those as None."""
+    from .conftest import FIXTURES
+
+    meta, samples, _ = read_jsonl(FIXTURES / "traces" / "demo_validation_leak.jsonl")
+    assert meta["schema_version"] == 1 and samples
+    assert samples[0].arena_reserved_bytes is None

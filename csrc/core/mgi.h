@@ -141,6 +141,8 @@ void mgi_sources_forget(mgi_sources_t *src);
 
 /* Zero *s, set size/version, and mark every rate and fraction NaN (absent). */
 void mgi_sample_init(mg_sample_t *s);
+/* The arena's counters into *s (MG_HAVE_ARENA when an arena exists). */
+void mgi_read_arena(mg_sample_t *s);
 /* Fill the rate and stall fields of *cur from *prev (same sampler). */
 void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur);
 

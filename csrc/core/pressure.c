@@ -96,6 +96,13 @@ int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
         consider(above(s->budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw, &reasons);
     }
 
+    if ((s->have & MG_HAVE_ARENA) && s->arena_budget_bytes) {
+        s->arena_budget_used_fraction =
+            (double)s->arena_reserved_bytes / (double)s->arena_budget_bytes;
+        consider(above(s->arena_budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw,
+                 &reasons);
+    }
+
     double head = NAN;
     if ((s->have & MG_HAVE_MEMAVAIL) && s->mem_total_bytes)
         head = (double)s->mem_available_bytes / (double)s->mem_total_bytes;

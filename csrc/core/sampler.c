@@ -217,6 +217,7 @@ static void take_sample(mg_sampler_t *s, mg_sample_t *out)
     cur.mono_ns = mgi_clock_ns(CLOCK_MONOTONIC);
     cur.t_ns = mgi_clock_ns(CLOCK_REALTIME);
     mgi_sources_read(&s->src, &cur, s->pressure.level >= MG_LEVEL_ELEVATED);
+    mgi_read_arena(&cur);
     if (s->have_prev)
         mgi_sample_deltas(&s->prev, &cur);
     cur.budget_bytes = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed);

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "memguard/memguard-arena.h"
 #include "mgi.h"
 
 /* /proc/vmstat is the largest file we read (about 5 KiB today). */
@@ -472,6 +473,21 @@ void mgi_sample_init(mg_sample_t *s)
     s->psi_some_stall = s->psi_full_stall = NAN;
     s->cgroup_psi_some_stall = s->cgroup_psi_full_stall = NAN;
     s->budget_used_fraction = s->headroom_fraction = NAN;
+    s->arena_budget_used_fraction = NAN;
+}
+
+void mgi_read_arena(mg_sample_t *s)
+{
+    mg_arena_stats_t a;
+    /* a handful of atomic loads; an arena never initialised reserves nothing */
+    if (mg_arena_stats(&a) != 0 || a.reserve_bytes == 0)
+        return;
+    s->have |= MG_HAVE_ARENA;
+    s->arena_allocated_bytes = a.allocated_current;
+    s->arena_reserved_bytes = a.reserved_current;
+    s->arena_cached_bytes = a.cached_bytes;
+    s->arena_budget_bytes = a.budget_bytes;
+    s->arena_ooms = a.num_ooms;
 }
 
 void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur)

@@ -44,6 +44,9 @@ static const field_t fields[] = {
     D(cgroup_psi_some_stall, 0), D(cgroup_psi_full_stall, 0),
     U(budget_bytes, MG_HAVE_BUDGET), D(budget_used_fraction, 0), D(headroom_fraction, 0),
     I(raw_level, 0), I(level, 0),
+    U(arena_allocated_bytes, MG_HAVE_ARENA), U(arena_reserved_bytes, MG_HAVE_ARENA),
+    U(arena_cached_bytes, MG_HAVE_ARENA), U(arena_budget_bytes, MG_HAVE_ARENA),
+    U(arena_ooms, MG_HAVE_ARENA), D(arena_budget_used_fraction, 0),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 

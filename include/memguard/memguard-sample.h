@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define MG_SAMPLE_VERSION 1
+#define MG_SAMPLE_VERSION 2
 
 /** Bits of mg_sample_t.have. */
 enum {
@@ -30,6 +30,7 @@ enum {
     MG_HAVE_RATES = 1u << 14,        /**< *_per_s and *_stall (needs a previous sample) */
     MG_HAVE_BUDGET = 1u << 15,       /**< budget_bytes, budget_used_fraction */
     MG_HAVE_HEADROOM = 1u << 16,     /**< headroom_fraction */
+    MG_HAVE_ARENA = 1u << 17,        /**< arena_* (memguard's allocator is in use) */
 };
 
 /** One telemetry sample. */
@@ -77,6 +78,12 @@ typedef struct mg_sample {
     int32_t level;               /**< after hysteresis */
     uint32_t reasons;            /**< MG_REASON_* behind raw_level */
     uint32_t pad1;
+
+    /* memguard's arena (version 2) */
+    uint64_t arena_allocated_bytes, arena_reserved_bytes, arena_cached_bytes;
+    uint64_t arena_budget_bytes;     /**< 0: the arena has no budget */
+    uint64_t arena_ooms;             /**< allocations refused by the arena's budget */
+    double arena_budget_used_fraction; /**< reserved / budget; NaN without a budget */
 } mg_sample_t;
 
 #endif /* MEMGUARD_SAMPLE_H */

@@ -31,8 +31,8 @@ from typing import IO, Any, Callable
 from memguard import _C
 from memguard.budget import parse_budget
 
-#: Version of the sample schema written by the exporters.
-SCHEMA_VERSION = 1
+#: Version of the sample schema written by the exporters (2: arena_* fields).
+SCHEMA_VERSION = 2
 SCHEMA_NAME = "memguard.telemetry"
 
 
@@ -109,6 +109,13 @@ class Sample:
     raw_level: Level
     level: Level
     reasons: tuple[str, ...]
+    # memguard's arena, when installed (memguard.install or memguard run)
+    arena_allocated_bytes: int | None = None
+    arena_reserved_bytes: int | None = None
+    arena_cached_bytes: int | None = None
+    arena_budget_bytes: int | None = None
+    arena_ooms: int | None = None
+    arena_budget_used_fraction: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Sample:
