@@ -6,7 +6,7 @@ DEPS   := $(VENV)/.memguard-deps
 EXT    := python/memguard/_C$(shell $(PYTHON) -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
 CSRC   := $(wildcard csrc/*/*.c csrc/*/*.h include/memguard/*.h)
 
-.PHONY: all build test ctest demo bench lint clean
+.PHONY: all build test ctest demo bench system-deps lint clean
 
 all: build
 
@@ -33,6 +33,16 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/bench_sampler.py
+	$(PY) benchmarks/bench_cpu_allocator.py
+
+# Optional system packages: jemalloc for `memguard run` (its tests skip without it).
+system-deps:
+	@if ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2; then echo "libjemalloc2: present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	   apt-get install -y -qq --no-install-recommends libjemalloc2 >/dev/null) \
+	  && echo "libjemalloc2: installed" || echo "libjemalloc2: not installed (jemalloc tests skip)"; \
+	else echo "libjemalloc2: absent; install it (apt-get install libjemalloc2) to test with jemalloc"; fi
 
 lint: $(DEPS)
 	$(VENV)/bin/ruff check python tests benchmarks
