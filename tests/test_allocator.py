@@ -222,3 +222,19 @@ def test_install_needs_torch_first():
 def test_bad_budget_is_a_valueerror():
     with pytest.raises(ValueError, match="'lots'"):
         memguard.install(budget="lots")
+
+
+def test_cache_limit_releases_past_it():
+    memguard.trim()
+    memguard.allocator.set_cache_limit("16MiB")
+    try:
+        blocks = [torch.empty(8 * MiB + i * MiB, dtype=torch.uint8) for i in range(4)]
+        trims = memguard.stats()["num_trims"]
+        del blocks  # about 46 MiB freed into a 16 MiB cache
+        s = memguard.stats()
+        assert s["cached_bytes"] <= 16 * MiB
+        assert s["num_trims"] > trims
+        assert s["cache_limit_bytes"] == 16 * MiB
+    finally:
+        memguard.allocator.set_cache_limit(None)
+    assert memguard.stats()["cache_limit_bytes"] == 0

@@ -69,7 +69,7 @@ static struct {
     cls_t small[N_SMALL];      /* free lists of small_free_t */
     cls_t large[N_CLASSES];    /* free lists of large_hdr_t */
     _Atomic uint64_t allocated, allocated_peak, reserved, reserved_peak;
-    _Atomic uint64_t requested, requested_peak, cached, budget;
+    _Atomic uint64_t requested, requested_peak, cached, budget, cache_limit;
     _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed;
 } A;
 
@@ -461,6 +461,9 @@ void mg_arena_free(void *p)
         pthread_mutex_unlock(&k->lock);
         atomic_fetch_sub(&A.allocated, bs);
         atomic_fetch_sub(&A.requested, req);
+        uint64_t limit = atomic_load_explicit(&A.cache_limit, memory_order_relaxed);
+        if (limit && atomic_load(&A.cached) > limit)
+            release_cache(limit, 1); /* no lock held here; busy classes are skipped */
     }
     atomic_fetch_add_explicit(&A.n_free, 1, memory_order_relaxed);
 }
@@ -479,6 +482,13 @@ void mg_arena_set_budget(uint64_t bytes)
     atomic_store(&A.budget, bytes);
     if (bytes && init_rc == 0 && atomic_load(&A.reserved) > bytes)
         release_cache(0, 0);
+}
+
+void mg_arena_set_cache_limit(uint64_t bytes)
+{
+    atomic_store(&A.cache_limit, bytes);
+    if (bytes && init_rc == 0 && atomic_load(&A.cached) > bytes)
+        release_cache(bytes, 0);
 }
 
 int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed)
@@ -502,6 +512,7 @@ int mg_arena_stats(mg_arena_stats_t *o)
     o->requested_peak = atomic_load(&A.requested_peak);
     o->cached_bytes = atomic_load(&A.cached);
     o->budget_bytes = atomic_load(&A.budget);
+    o->cache_limit_bytes = atomic_load(&A.cache_limit);
     o->reserve_bytes = (uint64_t)(A.end - A.base);
     o->num_allocs = atomic_load(&A.n_alloc);
     o->num_frees = atomic_load(&A.n_free);

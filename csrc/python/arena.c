@@ -69,7 +69,7 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
     mg_arena_stats_t s;
     mg_arena_stats(&s);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "allocated_bytes.current", (unsigned long long)s.allocated_current,
         "allocated_bytes.peak", (unsigned long long)s.allocated_peak,
         "reserved_bytes.current", (unsigned long long)s.reserved_current,
@@ -80,6 +80,7 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
         "requested_bytes.peak", (unsigned long long)s.requested_peak,
         "cached_bytes", (unsigned long long)s.cached_bytes,
         "budget_bytes", (unsigned long long)s.budget_bytes,
+        "cache_limit_bytes", (unsigned long long)s.cache_limit_bytes,
         "num_allocs", (unsigned long long)s.num_allocs,
         "num_frees", (unsigned long long)s.num_frees,
         "num_cache_hits", (unsigned long long)s.num_cache_hits,
@@ -99,6 +100,21 @@ PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg)
     if (rc)
         return mgpy_raise(rc, "cannot reserve an address range for the arena");
     mg_arena_set_budget(b);
+    Py_RETURN_NONE;
+}
+
+PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (b == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    int rc = mg_arena_init();
+    if (rc)
+        return mgpy_raise(rc, "cannot reserve an address range for the arena");
+    Py_BEGIN_ALLOW_THREADS
+    mg_arena_set_cache_limit(b);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 

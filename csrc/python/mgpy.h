@@ -43,6 +43,7 @@ PyObject *mgpy_preloaded(PyObject *m, PyObject *unused);
 PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused);
 PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_trim(PyObject *m, PyObject *args);
+PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused);
 
 /* sampler.c, pressure.c: type specs */

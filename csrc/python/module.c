@@ -36,6 +36,8 @@ static PyMethodDef methods[] = {
     {"arena_trim", mgpy_arena_trim, METH_VARARGS,
      "arena_trim(keep=0) -> bytes given back to the kernel from the cache."},
     {"arena_reset_peaks", mgpy_arena_reset_peaks, METH_NOARGS, "Peaks := current values."},
+    {"arena_set_cache_limit", mgpy_arena_set_cache_limit, METH_O,
+     "Most bytes of freed large blocks kept cached (0: no limit)."},
     {NULL, NULL, 0, NULL},
 };
 

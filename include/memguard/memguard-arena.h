@@ -42,6 +42,7 @@ typedef struct mg_arena_stats {
     uint64_t requested_current, requested_peak; /**< sizes callers asked for */
     uint64_t cached_bytes;    /**< freed large blocks kept resident for reuse */
     uint64_t budget_bytes;    /**< 0: none */
+    uint64_t cache_limit_bytes; /**< 0: none */
     uint64_t reserve_bytes;   /**< address space reserved */
     uint64_t num_allocs, num_frees, num_cache_hits, num_ooms, num_trims;
     uint64_t trimmed_bytes;   /**< given back to the kernel by trims, in all */
@@ -60,6 +61,9 @@ MG_ARENA_API int mg_arena_owns(const void *p);
 MG_ARENA_API size_t mg_arena_usable_size(const void *p);
 /** Set the budget in bytes (0: none). Takes effect for the next allocation. */
 MG_ARENA_API void mg_arena_set_budget(uint64_t bytes);
+/** Keep at most @p bytes of freed large blocks cached (0: no limit beyond
+ * the budget); past it, a free releases the oldest cached blocks at once. */
+MG_ARENA_API void mg_arena_set_cache_limit(uint64_t bytes);
 /** Release cached blocks until at most @p keep_bytes stay cached; @p freed gets the bytes. */
 MG_ARENA_API int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed);
 /** Copy the counters. */

@@ -30,13 +30,16 @@ _OOM_MESSAGES = (
 )
 
 
-def install(budget: str | int | None = None) -> None:
+def install(budget: str | int | None = None, cache_limit: str | int | None = None) -> None:
     """Route CPU tensor memory to memguard's arena. Idempotent.
 
     Args:
         budget: the most the arena may hold (allocated plus cached), see
             :func:`memguard.parse_budget`; ``None`` keeps the current budget
             (none at first).
+        cache_limit: the most freed memory kept cached for reuse (a size or
+            a percentage, like a budget); ``None`` keeps the current limit
+            (none at first: the cache is bounded by the budget).
 
     Raises:
         RuntimeError: torch is not imported, the platform has no ELF import
@@ -53,6 +56,8 @@ def install(budget: str | int | None = None) -> None:
     with _lock:
         if budget is not None:
             _C.arena_set_budget(parse_budget(budget))
+        if cache_limit is not None:
+            _C.arena_set_cache_limit(parse_budget(cache_limit))
         if _C.installed() or _C.preloaded():
             return  # under `memguard run` every allocation is routed already
         _C.install("libc10.so")
@@ -94,10 +99,18 @@ def set_budget(budget: str | int | None) -> None:
         _C.arena_set_budget(0 if budget is None else parse_budget(budget))
 
 
+def set_cache_limit(limit: str | int | None) -> None:
+    """Keep at most this much freed memory cached (``None``: no limit beyond
+    the budget). A smaller limit releases the excess at once."""
+    with _lock:
+        _C.arena_set_cache_limit(0 if limit is None else parse_budget(limit))
+
+
 def stats() -> dict[str, int]:
     """The arena's counters, flat, in PyTorch's vocabulary:
     ``allocated_bytes.{current,peak}``, ``reserved_bytes.*``, ``active_bytes.*``,
-    ``requested_bytes.*``, ``cached_bytes``, ``budget_bytes``, ``num_allocs``,
+    ``requested_bytes.*``, ``cached_bytes``, ``budget_bytes``, ``cache_limit_bytes``,
+    ``num_allocs``,
     ``num_frees``, ``num_cache_hits``, ``num_ooms``, ``num_trims``,
     ``trimmed_bytes``. Bytes are block sizes (size classes round up by at most
     25 %), except ``requested_bytes``; for blocks under 256 KiB requested
