@@ -6,11 +6,12 @@ Every configuration runs in its own process (the allocator is chosen at
 process start); repetitions are interleaved across configurations and the
 medians reported, with ratios against plain glibc measured in the same run.
 
-Workloads: a ViT-S-like encoder (dim 384, depth 12, 6 heads, 112 px images
-in 16 px patches) at batch 8 and 32, and a DINO-like multi-crop step (2
-global and 6 local crops through the same encoder), 2 threads each.
+Workloads: a ViT-S encoder (dim 384, depth 12, 6 heads, 16 px patches of
+224 px images, or --image N) at batch 8 and 32, and a DINO-like multi-crop
+step (batch 8: 2 global crops at the image size and 6 local ones at 96 px
+through the same encoder), 2 threads each.
 
-    python benchmarks/bench_cpu_allocator.py [--quick] [--reps N] [--steps N]
+    python benchmarks/bench_cpu_allocator.py [--quick] [--reps N] [--steps N] [--image N]
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def config_env(name: str) -> dict | None:
 
 
 # ---------------------------------------------------------------- the worker
-def worker(config: str, workload: str, steps: int) -> dict:
+def worker(config: str, workload: str, steps: int, image: int) -> dict:
     """Run one workload in this process; return its figures."""
     import torch
 
@@ -85,10 +86,10 @@ def worker(config: str, workload: str, steps: int) -> dict:
     model = ViT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if workload == "dino-multicrop":
-        crops = [torch.randn(8, 3, 112, 112) for _ in range(2)] + \
-                [torch.randn(8, 3, 48, 48) for _ in range(6)]
+        crops = [torch.randn(8, 3, image, image) for _ in range(2)] + \
+                [torch.randn(8, 3, 96, 96) for _ in range(6)]
     else:
-        crops = [torch.randn(8 if workload == "vit-b8" else 32, 3, 112, 112)]
+        crops = [torch.randn(8 if workload == "vit-b8" else 32, 3, image, image)]
 
     def step():
         out = [model(c) for c in crops]
@@ -111,12 +112,13 @@ def worker(config: str, workload: str, steps: int) -> dict:
 
 
 # ---------------------------------------------------------------- the driver
-def run_one(config: str, workload: str, steps: int) -> dict | None:
+def run_one(config: str, workload: str, steps: int, image: int) -> dict | None:
     env = config_env(config)
     if env is None:
         return None
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, __file__, "--worker", config, workload, str(steps)],
+    out = subprocess.run([sys.executable, __file__, "--worker", config, workload, str(steps),
+                          str(image)],
                          env=env, capture_output=True, text=True, timeout=900, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{config}/{workload} failed:\n{out.stderr[-2000:]}")
@@ -126,17 +128,19 @@ def run_one(config: str, workload: str, steps: int) -> dict | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", nargs=3, metavar=("CONFIG", "WORKLOAD", "STEPS"),
+    p.add_argument("--worker", nargs=4, metavar=("CONFIG", "WORKLOAD", "STEPS", "IMAGE"),
                    help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="1 repetition, 3 steps")
+    p.add_argument("--quick", action="store_true", help="1 repetition, 3 steps, 112 px")
+    p.add_argument("--image", type=int, default=224, help="image size in px (=224)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     if args.worker:
-        c, w, n = args.worker
-        print(json.dumps(worker(c, w, int(n))))
+        c, w, n, img = args.worker
+        print(json.dumps(worker(c, w, int(n), int(img))))
         return 0
     reps, steps = (1, 3) if args.quick else (args.reps, args.steps)
+    image = 112 if args.quick else args.image
     t_start = time.monotonic()
     results: dict = {w: {c: [] for c in CONFIGS} for w in WORKLOADS}
     for rep in range(reps):
@@ -144,11 +148,11 @@ def main() -> int:
             # rotate the order each repetition so no configuration always goes first
             order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]
             for c in order:
-                r = run_one(c, w, steps)
+                r = run_one(c, w, steps, image)
                 if r is not None:
                     results[w][c].append(r)
-    print(f"memguard CPU allocator benchmark: {os.cpu_count()} CPUs, 2 threads, {reps} "
-          f"repetition(s) x {steps} steps, medians; ratios against plain glibc\n")
+    print(f"memguard CPU allocator benchmark: {os.cpu_count()} CPUs, 2 threads, {image} px, "
+          f"{reps} repetition(s) x {steps} steps, medians; ratios against plain glibc\n")
     summary = {}
     hdr = (f"  {'configuration':<20}{'step s':>9}{'ratio':>8}{'faults/step':>13}"
            f"{'ratio':>9}{'peak RSS MiB':>14}{'ratio':>8}")
