@@ -90,22 +90,9 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
         "reserve_bytes", (unsigned long long)s.reserve_bytes);
 }
 
-PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg)
+/* Set one of the arena's byte limits from a Python int (0: none). */
+static PyObject *arena_set(PyObject *arg, void (*setter)(uint64_t))
 {
-    (void)m;
-    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
-    if (b == (unsigned long long)-1 && PyErr_Occurred())
-        return NULL;
-    int rc = mg_arena_init();
-    if (rc)
-        return mgpy_raise(rc, "cannot reserve an address range for the arena");
-    mg_arena_set_budget(b);
-    Py_RETURN_NONE;
-}
-
-PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg)
-{
-    (void)m;
     unsigned long long b = PyLong_AsUnsignedLongLong(arg);
     if (b == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
@@ -113,9 +100,21 @@ PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg)
     if (rc)
         return mgpy_raise(rc, "cannot reserve an address range for the arena");
     Py_BEGIN_ALLOW_THREADS
-    mg_arena_set_cache_limit(b);
+    setter(b); /* may release cached blocks */
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    return arena_set(arg, mg_arena_set_budget);
+}
+
+PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    return arena_set(arg, mg_arena_set_cache_limit);
 }
 
 PyObject *mgpy_arena_trim(PyObject *m, PyObject *args)

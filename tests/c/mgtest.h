@@ -13,6 +13,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "memguard/memguard.h"
+
 /* Counters of the running test binary (single-threaded checks only; a
  * forked child counts its own and reports through its exit status). */
 static int mgt_failures, mgt_checks;
@@ -154,6 +156,21 @@ static inline unsigned long long mgt_rand(void)
     x ^= x >> 27;
     mgt_rng_state = x;
     return x * 0x2545F4914F6CDD1DULL;
+}
+
+/* The documented pressure defaults with calm_samples = calm, spelled out so
+ * a MEMGUARD_* variable in the environment cannot change what tests mean. */
+static inline mg_pressure_opts_t mgt_pressure_opts(uint32_t calm)
+{
+    mg_pressure_opts_t o = {
+        .budget = {0.80, 0.90, 0.97},
+        .headroom = {0.15, 0.08, 0.03},
+        .psi = {0.05, 0.15, 0.40},
+        .swap_in = {256, 2560, 25600},
+        .major_faults = {500, 5000, 50000},
+        .calm_samples = calm,
+    };
+    return o;
 }
 
 #endif /* MEMGUARD_MGTEST_H */

@@ -4,19 +4,9 @@
 #include "mgi.h"
 #include "mgtest.h"
 
-/* The documented defaults, spelled out so a MEMGUARD_* variable in the
- * environment cannot change what these tests mean. */
 static mg_pressure_opts_t opts(uint32_t calm)
 {
-    mg_pressure_opts_t o = {
-        .budget = {0.80, 0.90, 0.97},
-        .headroom = {0.15, 0.08, 0.03},
-        .psi = {0.05, 0.15, 0.40},
-        .swap_in = {256, 2560, 25600},
-        .major_faults = {500, 5000, 50000},
-        .calm_samples = calm,
-    };
-    return o;
+    return mgt_pressure_opts(calm);
 }
 
 /* A sample with nothing known: every rate NaN, every have bit clear. */

@@ -17,19 +17,10 @@
 static const char *fixtures;
 static uint64_t page;
 
-/* The documented pressure defaults with a short calm period, so no
- * MEMGUARD_* variable changes what the tests mean. */
+/* The documented pressure defaults with a short calm period. */
 static mg_pressure_opts_t popts(void)
 {
-    mg_pressure_opts_t o = {
-        .budget = {0.80, 0.90, 0.97},
-        .headroom = {0.15, 0.08, 0.03},
-        .psi = {0.05, 0.15, 0.40},
-        .swap_in = {256, 2560, 25600},
-        .major_faults = {500, 5000, 50000},
-        .calm_samples = 2,
-    };
-    return o;
+    return mgt_pressure_opts(2);
 }
 
 static mg_sampler_t *make(const char *scenario, uint32_t interval_us, uint32_t ring)
