@@ -12,7 +12,9 @@ def _system_limits() -> tuple:
     is free plus what this process already holds (MemAvailable + RSS, and the
     cgroup's headroom + RSS when a limit is set).
     """
-    s = _C.Sampler(interval_ms=100).sample_now()
+    from memguard.telemetry import sample  # telemetry imports this module
+
+    s = sample().to_dict()
     total = s["mem_total_bytes"] or 0
     rss = s["rss_bytes"] or 0
     usable = (s["mem_available_bytes"] or 0) + rss if s["mem_available_bytes"] else 0

@@ -64,16 +64,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    from memguard import doctor
-
-    return doctor.main(args.doctor_args)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from memguard import demo
-
-    return demo.main(args.demo_args)
+# Subcommands that parse their own options; their parsers below only list them.
+_PASSTHROUGH = ("doctor", "run", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="what this machine offers and what memguard can do here")
     d.add_argument("doctor_args", nargs=argparse.REMAINDER, help="--json, --no-torch")
-    d.set_defaults(fn=_cmd_doctor)
 
     s = sub.add_parser("sample", help="print one telemetry sample")
     s.add_argument("--json", action="store_true", help="all fields, as JSON")
@@ -102,25 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="a short CPU training run with live telemetry")
     m.add_argument("demo_args", nargs=argparse.REMAINDER, help="options of the demo (see --help)")
-    m.set_defaults(fn=_cmd_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``memguard`` and ``python -m memguard``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:  # the demo and doctor parse their own options
-        from memguard import demo
+    if argv[:1] and argv[0] in _PASSTHROUGH:
+        import importlib
 
-        return demo.main(argv[1:])
-    if argv[:1] == ["run"]:
-        from memguard import run
-
-        return run.main(argv[1:])
-    if argv[:1] == ["doctor"]:
-        from memguard import doctor
-
-        return doctor.main(argv[1:])
+        return int(importlib.import_module(f"memguard.{argv[0]}").main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -15,21 +15,19 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import time
 
 from memguard import _C
+from memguard.run import JEMALLOC, jemalloc_candidates
 
 #: One report row: item, what was found, what memguard can or cannot do with it.
 Row = tuple[str, str, str]
 
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
-JEMALLOC = "libjemalloc.so.2"
 TORCH_TIMEOUT_S = 30.0
 #: Back-to-back samples timed for the sampler row.
 HOT_SAMPLES = 20
@@ -406,42 +404,6 @@ def overcommit_row() -> Row:
     return ("overcommit", found, can)
 
 
-def jemalloc_candidates() -> list[str]:
-    """Paths of libjemalloc.so.2 from the ldconfig cache and the usual lib dirs.
-
-    Args:
-        None.
-
-    Returns:
-        Existing paths, ldconfig's first, without duplicates (by real path).
-    """
-    found: list[str] = []
-    ldconfig = shutil.which("ldconfig") or next(
-        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
-    if ldconfig:
-        try:
-            out = subprocess.run([ldconfig, "-p"], check=False, capture_output=True, text=True,
-                                 timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        for line in out.splitlines():
-            name, _, path = line.strip().partition(" => ")
-            if name.split(" ")[0] == JEMALLOC and path:
-                found.append(path.strip())
-    multiarch = sysconfig.get_config_var("MULTIARCH")
-    dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
-    dirs += ["/usr/local/lib", "/usr/lib64", "/lib64", "/usr/lib", "/lib"]
-    found += [os.path.join(d, JEMALLOC) for d in dirs]
-    seen: set[str] = set()
-    result = []
-    for path in found:
-        real = os.path.realpath(path)
-        if os.path.exists(path) and real not in seen:
-            seen.add(real)
-            result.append(path)
-    return result
-
-
 def preload_check(lib: str) -> tuple[bool, str]:
     """Whether ``LD_PRELOAD=<lib> /bin/true`` runs cleanly.
 
@@ -496,7 +458,7 @@ def jemalloc_row() -> Row:
     Returns:
         The report row.
     """
-    paths = jemalloc_candidates()
+    paths = jemalloc_candidates()  # from memguard.run, which preloads the first
     if not paths:
         return ("jemalloc", f"{JEMALLOC} not found (ldconfig cache and usual lib dirs)",
                 ("no jemalloc to preload for small allocations "

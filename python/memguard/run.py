@@ -8,16 +8,16 @@ shim), else to glibc with heap trimming off.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
 
 from memguard.budget import parse_budget
 
 SHIM = "libmemguard_preload.so"
 JEMALLOC = "libjemalloc.so.2"
-_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
-             "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64", "/lib")
 
 
 def shim_path() -> str:
@@ -32,13 +32,46 @@ def shim_path() -> str:
     return path
 
 
+def jemalloc_candidates() -> list[str]:
+    """Paths of libjemalloc.so.2 from the ldconfig cache and the usual lib dirs.
+
+    Args:
+        None.
+
+    Returns:
+        Existing paths, ldconfig's first, without duplicates (by real path).
+    """
+    found: list[str] = []
+    ldconfig = shutil.which("ldconfig") or next(
+        (p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
+    if ldconfig:
+        try:
+            out = subprocess.run([ldconfig, "-p"], check=False, capture_output=True, text=True,
+                                 timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        for line in out.splitlines():
+            name, _, path = line.strip().partition(" => ")
+            if name.split(" ")[0] == JEMALLOC and path:
+                found.append(path.strip())
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    dirs = [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"] if multiarch else []
+    dirs += ["/usr/local/lib", "/usr/lib64", "/lib64", "/usr/lib", "/lib"]
+    found += [os.path.join(d, JEMALLOC) for d in dirs]
+    seen: set[str] = set()
+    result = []
+    for path in found:
+        real = os.path.realpath(path)
+        if os.path.exists(path) and real not in seen:
+            seen.add(real)
+            result.append(path)
+    return result
+
+
 def find_jemalloc() -> str | None:
-    """libjemalloc.so.2 from the usual library directories, or None."""
-    for d in _LIB_DIRS:
-        hits = sorted(glob.glob(os.path.join(d, JEMALLOC)))
-        if hits:
-            return hits[0]
-    return None
+    """The libjemalloc.so.2 that ``memguard run`` preloads, or None."""
+    paths = jemalloc_candidates()
+    return paths[0] if paths else None
 
 
 def preload_env(budget: str | int | None = None, jemalloc: bool = True,
