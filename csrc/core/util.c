@@ -1,4 +1,5 @@
 /* Small helpers shared by the C core: clocks and bounded file reads. */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -59,4 +60,25 @@ int mgi_join(char *out, size_t cap, const char *a, const char *b, const char *c)
     if (n < 0 || (size_t)n >= cap)
         return ENAMETOOLONG;
     return 0;
+}
+
+/* Looked up at run time: which allocator serves malloc is only known then. */
+int mg_system_trim(const char **how)
+{
+    typedef int (*mallctl_fn)(const char *, void *, size_t *, void *, size_t);
+    typedef int (*trim_fn)(size_t);
+    mallctl_fn mallctl = (mallctl_fn)dlsym(RTLD_DEFAULT, "mallctl");
+    if (mallctl) {
+        *how = "jemalloc";
+        /* 4096 is MALLCTL_ARENAS_ALL: every arena */
+        return mallctl("arena.4096.purge", NULL, NULL, NULL, 0);
+    }
+    trim_fn trim = (trim_fn)dlsym(RTLD_DEFAULT, "malloc_trim");
+    if (trim) {
+        *how = "glibc";
+        (void)trim(0);
+        return 0;
+    }
+    *how = "none";
+    return ENOTSUP;
 }

@@ -137,3 +137,17 @@ PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused)
     mg_arena_reset_peaks();
     Py_RETURN_NONE;
 }
+
+PyObject *mgpy_system_trim(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    const char *how = "none";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mg_system_trim(&how);
+    Py_END_ALLOW_THREADS
+    if (rc && rc != ENOTSUP)
+        return mgpy_raise(rc, "jemalloc's purge failed");
+    return PyUnicode_FromString(how);
+}

@@ -11,6 +11,7 @@
 typedef struct mgpy_state {
     PyTypeObject *sampler_type;
     PyTypeObject *pressure_type;
+    PyTypeObject *planner_type;
 } mgpy_state_t;
 
 mgpy_state_t *mgpy_state(PyObject *module);
@@ -45,9 +46,11 @@ PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_trim(PyObject *m, PyObject *args);
 PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused);
+PyObject *mgpy_system_trim(PyObject *m, PyObject *unused);
 
 /* sampler.c, pressure.c: type specs */
 extern PyType_Spec mgpy_sampler_spec;
 extern PyType_Spec mgpy_pressure_spec;
+extern PyType_Spec mgpy_planner_spec;
 
 #endif

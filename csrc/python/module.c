@@ -38,6 +38,8 @@ static PyMethodDef methods[] = {
     {"arena_reset_peaks", mgpy_arena_reset_peaks, METH_NOARGS, "Peaks := current values."},
     {"arena_set_cache_limit", mgpy_arena_set_cache_limit, METH_O,
      "Most bytes of freed large blocks kept cached (0: no limit)."},
+    {"system_trim", mgpy_system_trim, METH_NOARGS,
+     "system_trim() -> 'jemalloc' | 'glibc' | 'none': give malloc's free memory back."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -49,6 +51,9 @@ static int exec_module(PyObject *m)
         return -1;
     st->pressure_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mgpy_pressure_spec, NULL);
     if (!st->pressure_type || PyModule_AddType(m, st->pressure_type))
+        return -1;
+    st->planner_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mgpy_planner_spec, NULL);
+    if (!st->planner_type || PyModule_AddType(m, st->planner_type))
         return -1;
     if (PyModule_AddIntConstant(m, "SAMPLE_VERSION", MG_SAMPLE_VERSION) ||
         PyModule_AddIntConstant(m, "WAKE_LEVEL", MG_WAKE_LEVEL) ||
@@ -63,6 +68,7 @@ static int traverse(PyObject *m, visitproc visit, void *arg)
     mgpy_state_t *st = mgpy_state(m);
     Py_VISIT(st->sampler_type);
     Py_VISIT(st->pressure_type);
+    Py_VISIT(st->planner_type);
     return 0;
 }
 
@@ -71,6 +77,7 @@ static int clear(PyObject *m)
     mgpy_state_t *st = mgpy_state(m);
     Py_CLEAR(st->sampler_type);
     Py_CLEAR(st->pressure_type);
+    Py_CLEAR(st->planner_type);
     return 0;
 }
 

@@ -165,6 +165,17 @@ MG_API const char *mg_option_name(size_t i);
 /** Pop the next warning about a bad environment value into @p buf; ENOENT if none. */
 MG_API int mg_option_next_warning(char *buf, size_t cap);
 
+/* ---- system allocator --------------------------------------------------- */
+
+/**
+ * Give the system allocator's free memory back to the kernel: jemalloc
+ * purges every arena when it is in the process (preloaded, alone or under
+ * the shim), glibc trims its heaps (malloc_trim(0)) otherwise. @p how
+ * receives "jemalloc", "glibc" or "none". Not for the allocation path.
+ * @return 0, ENOTSUP when neither is found, or jemalloc's error.
+ */
+MG_API int mg_system_trim(const char **how);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,256 @@
+/* The micro-batch planner (see memguard-planner.h): pure arithmetic on its
+ * own struct, so tests replay recorded traces through exactly this code. */
+#include <errno.h>
+#include <string.h>
+
+#include "memguard/memguard-planner.h"
+
+void mg_planner_opts_default(mg_planner_opts_t *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->min_micro = 1;
+    o->multiple_of = 1;
+    o->margin = 0.1;
+    o->decay = 0.98;
+    o->grow_after = 8;
+    o->retry_after = 64;
+}
+
+static int allowed(const mg_planner_opts_t *o, uint64_t s)
+{
+    return s >= o->min_micro && s % o->multiple_of == 0 &&
+           (o->divisor_of == 0 || o->divisor_of % s == 0);
+}
+
+int mg_planner_opts_check(const mg_planner_opts_t *o)
+{
+    if (o->min_micro == 0 || o->multiple_of == 0 || !(o->margin >= 0.0 && o->margin < 1.0) ||
+        !(o->decay > 0.0 && o->decay <= 1.0) || o->grow_after == 0)
+        return EINVAL;
+    if (o->divisor_of == 0)
+        return 0;
+    /* with a divisor, some divisor of it must pass the other two rules */
+    for (uint64_t s = o->min_micro; s <= o->divisor_of; s++)
+        if (allowed(o, s))
+            return 0;
+    return EINVAL;
+}
+
+int mg_planner_init(mg_planner_t *p, const mg_planner_opts_t *o, uint64_t micro)
+{
+    int rc = mg_planner_opts_check(o);
+    if (rc)
+        return rc;
+    memset(p, 0, sizeof(*p));
+    p->opts = *o;
+    p->micro = micro;
+    p->last.reason = MG_PLAN_R_START;
+    return 0;
+}
+
+int mg_planner_fit(const mg_planner_t *p, uint64_t x, uint64_t *size)
+{
+    const mg_planner_opts_t *o = &p->opts;
+    if (p->full && x >= p->full) {
+        *size = p->full; /* the whole batch in one piece splits nothing */
+        return 0;
+    }
+    if (x < o->min_micro)
+        return ENOENT;
+    if (o->divisor_of == 0) {
+        uint64_t s = x - x % o->multiple_of;
+        if (s < o->min_micro)
+            return ENOENT;
+        *size = s;
+        return 0;
+    }
+    /* divisors are few and batches small: a bounded downward scan */
+    for (uint64_t s = x < o->divisor_of ? x : o->divisor_of; s >= o->min_micro; s--) {
+        if (allowed(o, s)) {
+            *size = s;
+            return 0;
+        }
+    }
+    return ENOENT;
+}
+
+/* Line through the decayed observations: peak = a + b * size. Falls back to
+ * a line through the origin (peak proportional to size, which overestimates
+ * larger sizes) when the sizes seen do not spread or the slope is not
+ * positive. 0, or ENODATA with nothing observed. */
+static int model(const mg_planner_t *p, double *a, double *b)
+{
+    if (p->sw <= 0.0 || p->sx <= 0.0)
+        return ENODATA;
+    double mx = p->sx / p->sw, my = p->sy / p->sw;
+    double var = p->sxx / p->sw - mx * mx;
+    if (var > 1e-6 * mx * mx) {
+        double slope = (p->sxy / p->sw - mx * my) / var;
+        if (slope > 0.0) {
+            *b = slope;
+            *a = my - slope * mx;
+            return 0;
+        }
+    }
+    *a = 0.0;
+    *b = my / mx;
+    return 0;
+}
+
+int mg_planner_predict(const mg_planner_t *p, uint64_t micro, uint64_t *bytes)
+{
+    double a, b;
+    if (model(p, &a, &b))
+        return ENODATA;
+    double y = a + b * (double)micro;
+    *bytes = y <= 0.0 ? 0 : y >= 1.8e19 ? UINT64_MAX : (uint64_t)y;
+    return 0;
+}
+
+static void decide(mg_planner_t *p, int action, int reason, uint64_t to)
+{
+    p->last.step = p->step;
+    p->last.from = p->micro;
+    p->last.to = to;
+    p->last.action = action;
+    p->last.reason = reason;
+    if (to != p->micro)
+        p->calm = 0;
+    p->micro = to;
+}
+
+/* Allowed size at most @p target that splits the full batch into as few
+ * micro-batches as target would, and as evenly: 31 of 32 still takes two
+ * micro-batches, and two of 16 hold less at their peak. */
+static int balanced(const mg_planner_t *p, uint64_t target, uint64_t *size)
+{
+    uint64_t s, b;
+    if (mg_planner_fit(p, target, &s))
+        return ENOENT;
+    if (p->full > s) {
+        uint64_t k = (p->full + s - 1) / s;
+        if (mg_planner_fit(p, (p->full + k - 1) / k, &b) == 0 && (p->full + b - 1) / b == k)
+            s = b;
+    }
+    *size = s;
+    return 0;
+}
+
+/* Shrink towards @p target; 0, or ENOMEM when nothing smaller is allowed. */
+static int shrink(mg_planner_t *p, uint64_t from, uint64_t target, int reason)
+{
+    uint64_t s;
+    if (balanced(p, target, &s) || s >= from) {
+        if (from <= 1 || balanced(p, from - 1, &s))
+            return ENOMEM;
+    }
+    decide(p, MG_PLAN_SHRINK, reason, s);
+    return 0;
+}
+
+static void grow(mg_planner_t *p)
+{
+    const mg_planner_opts_t *o = &p->opts;
+    int limit = MG_PLAN_R_GROW;
+    uint64_t target = p->micro > p->full / 2 ? p->full : 2 * p->micro, s;
+    double a, b;
+
+    if (p->failed && target >= p->failed) {
+        target = p->failed - 1;
+        limit = MG_PLAN_R_FAILED;
+    }
+    if (o->budget_bytes && model(p, &a, &b) == 0) {
+        double room = (double)o->budget_bytes * (1.0 - o->margin) - a;
+        double x = room <= 0.0 ? 0.0 : room / b;
+        if (x < (double)target) {
+            target = (uint64_t)x;
+            limit = MG_PLAN_R_MODEL;
+        }
+    }
+    if (balanced(p, target, &s) == 0 && s > p->micro)
+        decide(p, MG_PLAN_GROW, MG_PLAN_R_GROW, s);
+    else
+        decide(p, MG_PLAN_HOLD, limit, p->micro);
+}
+
+int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro)
+{
+    if (batch == 0)
+        return EINVAL;
+    if (batch > p->full)
+        p->full = batch;
+    if (p->micro == 0 || p->micro > p->full)
+        p->micro = p->full;
+
+    if (p->step == 0) {
+        decide(p, MG_PLAN_HOLD, MG_PLAN_R_START, p->micro);
+    } else if (p->opts.fixed) {
+        decide(p, MG_PLAN_HOLD, MG_PLAN_R_FIXED, p->micro);
+    } else if (level >= MG_LEVEL_HIGH) {
+        int crit = level >= MG_LEVEL_CRITICAL;
+        p->calm = 0;
+        if (shrink(p, p->micro, p->micro / (crit ? 4 : 2),
+                   crit ? MG_PLAN_R_CRITICAL : MG_PLAN_R_HIGH))
+            decide(p, MG_PLAN_HOLD, MG_PLAN_R_AT_MIN, p->micro);
+    } else if (level == MG_LEVEL_ELEVATED) {
+        p->calm = 0;
+        decide(p, MG_PLAN_HOLD, MG_PLAN_R_ELEVATED, p->micro);
+    } else {
+        p->calm++;
+        if (p->failed && ++p->calm_since_fail >= p->opts.retry_after) {
+            p->failed = 0;
+            p->calm_since_fail = 0;
+        }
+        if (p->micro >= p->full)
+            decide(p, MG_PLAN_HOLD, MG_PLAN_R_AT_FULL, p->micro);
+        else if (p->calm >= p->opts.grow_after)
+            grow(p);
+        else
+            decide(p, MG_PLAN_HOLD, MG_PLAN_R_CALM, p->micro);
+    }
+    p->step++;
+    *micro = p->micro < batch ? p->micro : batch;
+    return 0;
+}
+
+int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next)
+{
+    p->ooms++;
+    p->calm = 0;
+    p->calm_since_fail = 0;
+    if (micro && (p->failed == 0 || micro < p->failed))
+        p->failed = micro;
+    int rc = shrink(p, micro, micro / 2, MG_PLAN_R_OOM);
+    if (rc == 0) {
+        p->last.step = p->step ? p->step - 1 : 0; /* the step being redone */
+        *next = p->micro;
+    }
+    return rc;
+}
+
+void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes)
+{
+    if (micro == 0 || peak_bytes == 0)
+        return;
+    double d = p->opts.decay, x = (double)micro, y = (double)peak_bytes;
+    p->sw = p->sw * d + 1.0;
+    p->sx = p->sx * d + x;
+    p->sy = p->sy * d + y;
+    p->sxx = p->sxx * d + x * x;
+    p->sxy = p->sxy * d + x * y;
+}
+
+const char *mg_plan_action_name(int action)
+{
+    static const char *const names[] = {"hold", "shrink", "grow"};
+    return action >= 0 && action < 3 ? names[action] : "?";
+}
+
+const char *mg_plan_reason_name(int reason)
+{
+    static const char *const names[MG_PLAN_R_COUNT] = {
+        "start", "calm", "elevated", "high", "critical", "oom", "at_min",
+        "at_full", "grow", "model", "failed", "fixed",
+    };
+    return reason >= 0 && reason < MG_PLAN_R_COUNT ? names[reason] : "?";
+}

@@ -1,0 +1,164 @@
+/* memguard._C.Planner: the micro-batch planner (memguard-planner.h) as a
+ * Python object; Guard.step drives it and tests replay traces through it. */
+#include <errno.h>
+
+#include "memguard/memguard-planner.h"
+#include "mgpy.h"
+
+typedef struct {
+    PyObject_HEAD
+    mg_planner_t p;
+} PlannerObject;
+
+static int Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"micro", "min_micro", "multiple_of", "divisor_of", "budget_bytes",
+                             "margin", "decay", "grow_after", "retry_after", "fixed", NULL};
+    mg_planner_opts_t o;
+    unsigned long long micro = 0, min_micro, multiple_of, divisor_of, budget;
+    unsigned int grow_after, retry_after;
+    int fixed = 0;
+    mg_planner_opts_default(&o);
+    min_micro = o.min_micro;
+    multiple_of = o.multiple_of;
+    divisor_of = o.divisor_of;
+    budget = o.budget_bytes;
+    grow_after = o.grow_after;
+    retry_after = o.retry_after;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKKKKddIIp", kwlist, &micro, &min_micro,
+                                     &multiple_of, &divisor_of, &budget, &o.margin, &o.decay,
+                                     &grow_after, &retry_after, &fixed))
+        return -1;
+    o.min_micro = min_micro;
+    o.multiple_of = multiple_of;
+    o.divisor_of = divisor_of;
+    o.budget_bytes = budget;
+    o.grow_after = grow_after;
+    o.retry_after = retry_after;
+    o.fixed = fixed;
+    if (mg_planner_init(&self->p, &o, micro)) {
+        PyErr_Format(PyExc_ValueError,
+                     "no micro-batch size satisfies min_micro=%llu, multiple_of=%llu, "
+                     "divisor_of=%llu (margin %g, decay %g, grow_after %u)",
+                     min_micro, multiple_of, divisor_of, o.margin, o.decay, grow_after);
+        return -1;
+    }
+    return 0;
+}
+
+static void Planner_dealloc(PlannerObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *Planner_begin(PlannerObject *self, PyObject *args)
+{
+    unsigned long long batch;
+    int level;
+    uint64_t micro;
+    if (!PyArg_ParseTuple(args, "Ki", &batch, &level))
+        return NULL;
+    if (mg_planner_begin(&self->p, batch, level, &micro))
+        return mgpy_raise(EINVAL, "a step needs a batch of at least one sample");
+    return PyLong_FromUnsignedLongLong(micro);
+}
+
+/* oom(micro) -> size to retry at, or None when nothing smaller is allowed */
+static PyObject *Planner_oom(PlannerObject *self, PyObject *arg)
+{
+    unsigned long long micro = PyLong_AsUnsignedLongLong(arg);
+    uint64_t next;
+    if (PyErr_Occurred())
+        return NULL;
+    if (mg_planner_oom(&self->p, micro, &next))
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(next);
+}
+
+static PyObject *Planner_end(PlannerObject *self, PyObject *args)
+{
+    unsigned long long micro, peak;
+    if (!PyArg_ParseTuple(args, "KK", &micro, &peak))
+        return NULL;
+    mg_planner_end(&self->p, micro, peak);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Planner_predict(PlannerObject *self, PyObject *arg)
+{
+    unsigned long long micro = PyLong_AsUnsignedLongLong(arg);
+    uint64_t bytes;
+    if (PyErr_Occurred())
+        return NULL;
+    if (mg_planner_predict(&self->p, micro, &bytes))
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(bytes);
+}
+
+static PyObject *Planner_fit(PlannerObject *self, PyObject *arg)
+{
+    unsigned long long x = PyLong_AsUnsignedLongLong(arg);
+    uint64_t s;
+    if (PyErr_Occurred())
+        return NULL;
+    if (mg_planner_fit(&self->p, x, &s))
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(s);
+}
+
+static PyObject *Planner_set_budget(PlannerObject *self, PyObject *arg)
+{
+    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    self->p.opts.budget_bytes = b;
+    Py_RETURN_NONE;
+}
+
+/* The planner's state and last decision, for telemetry and state_dict. */
+static PyObject *Planner_state(PlannerObject *self, PyObject *unused)
+{
+    (void)unused;
+    const mg_planner_t *p = &self->p;
+    return Py_BuildValue(
+        "{sKsKsKsKsIsIsKsKsssssKsK}", "micro", (unsigned long long)p->micro, "full",
+        (unsigned long long)p->full, "failed", (unsigned long long)p->failed, "step",
+        (unsigned long long)p->step, "calm", p->calm, "calm_since_fail", p->calm_since_fail,
+        "ooms", (unsigned long long)p->ooms, "decision_step", (unsigned long long)p->last.step,
+        "action", mg_plan_action_name(p->last.action), "reason",
+        mg_plan_reason_name(p->last.reason), "from", (unsigned long long)p->last.from, "to",
+        (unsigned long long)p->last.to);
+}
+
+static PyMethodDef Planner_methods[] = {
+    {"begin", (PyCFunction)Planner_begin, METH_VARARGS,
+     "begin(batch, level) -> micro-batch size for this step"},
+    {"oom", (PyCFunction)Planner_oom, METH_O,
+     "oom(micro) -> smaller size to redo the step at, or None at the minimum"},
+    {"end", (PyCFunction)Planner_end, METH_VARARGS, "end(micro, peak_bytes): step finished"},
+    {"predict", (PyCFunction)Planner_predict, METH_O,
+     "predict(micro) -> predicted peak bytes, or None before any observation"},
+    {"fit", (PyCFunction)Planner_fit, METH_O,
+     "fit(x) -> largest allowed size not above x, or None"},
+    {"set_budget", (PyCFunction)Planner_set_budget, METH_O, "Budget in bytes for growth (0: none)."},
+    {"state", (PyCFunction)Planner_state, METH_NOARGS, "State and last decision as a dict."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Planner_slots[] = {
+    {Py_tp_init, Planner_init},
+    {Py_tp_dealloc, Planner_dealloc},
+    {Py_tp_methods, Planner_methods},
+    {Py_tp_doc, "Planner(*, micro=0, min_micro=1, multiple_of=1, divisor_of=0, budget_bytes=0, "
+                "margin=0.1, decay=0.98, grow_after=8, retry_after=64, fixed=False)"},
+    {0, NULL},
+};
+
+PyType_Spec mgpy_planner_spec = {
+    .name = "memguard._C.Planner",
+    .basicsize = sizeof(PlannerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Planner_slots,
+};

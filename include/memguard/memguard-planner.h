@@ -1,0 +1,133 @@
+/**
+ * @file memguard-planner.h
+ * @brief The micro-batch planner: a pure, deterministic state machine.
+ *
+ * Fed at each step boundary with the batch size and the pressure level, on
+ * each out-of-memory error with the size that failed, and at each step's end
+ * with the step's peak bytes, it decides the micro-batch size of the next
+ * step: shrink on OOM, HIGH or CRITICAL; hold on ELEVATED; grow after
+ * `grow_after` calm steps, guided by an online linear model of peak bytes
+ * against micro-batch size and never back above a size that failed until
+ * `retry_after` calm steps have passed. No clocks, no I/O, no allocation, so
+ * recorded traces replay to the same decisions.
+ */
+#ifndef MEMGUARD_PLANNER_H
+#define MEMGUARD_PLANNER_H
+
+#include <stdint.h>
+
+#include "memguard.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** What a decision did to the planned size. */
+typedef enum mg_plan_action {
+    MG_PLAN_HOLD = 0,
+    MG_PLAN_SHRINK = 1,
+    MG_PLAN_GROW = 2,
+} mg_plan_action_t;
+
+/** Why; mg_plan_reason_name() gives the word telemetry uses. */
+typedef enum mg_plan_reason {
+    MG_PLAN_R_START = 0,    /**< first step: the starting size */
+    MG_PLAN_R_CALM,         /**< nothing to do (calm, counting towards a grow) */
+    MG_PLAN_R_ELEVATED,     /**< held: pressure ELEVATED */
+    MG_PLAN_R_HIGH,         /**< shrunk: pressure HIGH */
+    MG_PLAN_R_CRITICAL,     /**< shrunk further: pressure CRITICAL */
+    MG_PLAN_R_OOM,          /**< shrunk: an out-of-memory error in the step */
+    MG_PLAN_R_AT_MIN,       /**< wanted to shrink, nothing smaller is allowed */
+    MG_PLAN_R_AT_FULL,      /**< calm at the full batch: nothing to grow to */
+    MG_PLAN_R_GROW,         /**< grown after enough calm steps */
+    MG_PLAN_R_MODEL,        /**< growth held: predicted peak passes budget - margin */
+    MG_PLAN_R_FAILED,       /**< growth held: a larger size failed recently */
+    MG_PLAN_R_FIXED,        /**< fixed size: pressure does not change it */
+    MG_PLAN_R_COUNT
+} mg_plan_reason_t;
+
+/** Planner settings; mg_planner_opts_default() fills the defaults. */
+typedef struct mg_planner_opts {
+    uint64_t min_micro;    /**< smallest micro-batch (=1) */
+    uint64_t multiple_of;  /**< micro-batches are multiples of this (=1) */
+    uint64_t divisor_of;   /**< micro-batches divide this, e.g. a queue size (=0: none) */
+    uint64_t budget_bytes; /**< what peaks are compared against (=0: no model check) */
+    double margin;         /**< growth keeps predicted peak under budget*(1-margin) (=0.1) */
+    double decay;          /**< weight kept by older observations per new one (=0.98) */
+    uint32_t grow_after;   /**< calm step boundaries before a grow (=8) */
+    uint32_t retry_after;  /**< calm step boundaries before passing a failed size (=64) */
+    int fixed;             /**< 1: only OOMs change the size (=0) */
+} mg_planner_opts_t;
+
+/** One decision, kept for telemetry. */
+typedef struct mg_plan_decision {
+    uint64_t step;   /**< step index the decision applies to */
+    uint64_t from, to;
+    int action;      /**< mg_plan_action_t */
+    int reason;      /**< mg_plan_reason_t */
+} mg_plan_decision_t;
+
+/** Planner state; plain data, may be copied (a copy replays independently). */
+typedef struct mg_planner {
+    mg_planner_opts_t opts;
+    uint64_t micro;          /**< planned size (0: the full batch, not seen yet) */
+    uint64_t full;           /**< largest batch seen */
+    uint64_t failed;         /**< smallest size that failed recently (0: none) */
+    uint64_t step;           /**< step boundaries seen */
+    uint32_t calm;           /**< consecutive calm boundaries since the last change */
+    uint32_t calm_since_fail;
+    uint64_t ooms;           /**< out-of-memory events seen */
+    double sw, sx, sy, sxx, sxy; /**< decayed least-squares sums of (size, peak) */
+    mg_plan_decision_t last;
+} mg_planner_t;
+
+/** Fill @p o with the defaults. */
+MG_API void mg_planner_opts_default(mg_planner_opts_t *o);
+
+/** EINVAL when no micro-batch size can satisfy the constraints. */
+MG_API int mg_planner_opts_check(const mg_planner_opts_t *o);
+
+/**
+ * Initialise; @p micro is the starting size (0: the full batch).
+ * @return 0, or EINVAL for contradictory options.
+ */
+MG_API int mg_planner_init(mg_planner_t *p, const mg_planner_opts_t *o, uint64_t micro);
+
+/**
+ * A step begins with @p batch samples at pressure @p level: decide, and
+ * write the micro-batch size to use for this step (at most @p batch).
+ * @return 0, or EINVAL for batch 0.
+ */
+MG_API int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro);
+
+/**
+ * The step failed out of memory at @p micro: shrink.
+ * @return 0 with the size to retry at in @p next; ENOMEM when nothing
+ *         smaller is allowed (the caller gives up).
+ */
+MG_API int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next);
+
+/** The step finished at @p micro with @p peak_bytes at its peak (0: unknown). */
+MG_API void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes);
+
+/**
+ * Predicted peak bytes of a step at @p micro.
+ * @return 0, or ENODATA with no observations yet.
+ */
+MG_API int mg_planner_predict(const mg_planner_t *p, uint64_t micro, uint64_t *bytes);
+
+/**
+ * Largest allowed size not above @p x (the full batch counts as allowed).
+ * @return 0, or ENOENT when there is none.
+ */
+MG_API int mg_planner_fit(const mg_planner_t *p, uint64_t x, uint64_t *size);
+
+/** Names for telemetry: "hold"/"shrink"/"grow", "oom"/"high"/... */
+MG_API const char *mg_plan_action_name(int action);
+MG_API const char *mg_plan_reason_name(int reason);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
