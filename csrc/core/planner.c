@@ -119,6 +119,15 @@ static void decide(mg_planner_t *p, int action, int reason, uint64_t to)
     p->micro = to;
 }
 
+/* Smallest allowed size above @p x, or the full batch when none below it is. */
+static uint64_t next_up(const mg_planner_t *p, uint64_t x)
+{
+    uint64_t s = x < p->opts.min_micro ? p->opts.min_micro : x + 1;
+    while (s < p->full && !allowed(&p->opts, s))
+        s++;
+    return s;
+}
+
 /* Allowed size at most @p target that splits the full batch into as few
  * micro-batches as target would, and as evenly: 31 of 32 still takes two
  * micro-batches, and two of 16 hold less at their peak. */
@@ -140,7 +149,9 @@ static int balanced(const mg_planner_t *p, uint64_t target, uint64_t *size)
 static int shrink(mg_planner_t *p, uint64_t from, uint64_t target, int reason)
 {
     uint64_t s;
-    if (balanced(p, target, &s) || s >= from) {
+    if (balanced(p, target, &s))
+        s = next_up(p, target); /* target below every allowed size: the smallest */
+    if (s >= from) {
         if (from <= 1 || balanced(p, from - 1, &s))
             return ENOMEM;
     }
@@ -155,6 +166,10 @@ static void grow(mg_planner_t *p)
     uint64_t target = p->micro > p->full / 2 ? p->full : 2 * p->micro, s;
     double a, b;
 
+    /* sizes that divide divisor_of can lie more than twice apart (9: 1, 3,
+     * 9): aim at least at the next one up, or growth stops for good */
+    if (mg_planner_fit(p, target, &s) || s <= p->micro)
+        target = next_up(p, p->micro);
     if (p->failed && target >= p->failed) {
         target = p->failed - 1;
         limit = MG_PLAN_R_FAILED;
@@ -179,8 +194,15 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         return EINVAL;
     if (batch > p->full)
         p->full = batch;
-    if (p->micro == 0 || p->micro > p->full)
+    if (p->micro == 0 || p->micro > p->full) {
         p->micro = p->full;
+    } else if (p->micro < p->full && !allowed(&p->opts, p->micro)) {
+        /* a starting size the constraints do not allow, or the full batch
+         * of earlier, smaller batches: down to an allowed size (up when
+         * none is smaller) */
+        uint64_t s;
+        p->micro = mg_planner_fit(p, p->micro, &s) == 0 ? s : next_up(p, p->micro);
+    }
 
     if (p->step == 0) {
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_START, p->micro);

@@ -19,11 +19,39 @@ from memguard.telemetry import Level, PressureEvent, Sample, Sampler, sample
 
 __version__ = "0.1.0"
 
+# These need torch; they load on first use so that `import memguard` works
+# (telemetry, doctor, `memguard run`) where torch is not installed.
+_LAZY = {
+    "Guard": "memguard.guard",
+    "GuardOOMError": "memguard.guard",
+    "Output": "memguard.guard",
+    "StepResult": "memguard.guard",
+    "Accumulator": "memguard.accumulation",
+    "accumulate": "memguard.accumulation",
+}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'memguard' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
+    "Accumulator",
+    "Guard",
+    "GuardOOMError",
     "Level",
+    "Output",
     "PressureEvent",
     "Sample",
     "Sampler",
+    "StepResult",
+    "accumulate",
     "allocator",
     "configure",
     "install",

@@ -1,0 +1,131 @@
+"""Splitting a batch into micro-batches and joining per-micro-batch outputs.
+
+A batch is a tensor or any nesting of tuples (named ones too), lists, dicts
+and dataclasses around tensors. Tensors of one dimension or more split along
+dim 0 (as views, nothing is copied). A list or tuple holding no tensors and
+no containers is a sequence of samples (file names, captions) and is sliced
+the same way. Anything else (a 0-d tensor, an int, a string on its own) is
+the same for every micro-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, Mapping, list, tuple)) or (
+        dataclasses.is_dataclass(x) and not isinstance(x, type))
+
+
+def _is_samples(x: Any) -> bool:
+    """A list or tuple of plain values: one per sample."""
+    return (isinstance(x, (list, tuple)) and not hasattr(x, "_fields")
+            and not any(_is_container(v) for v in x))
+
+
+def _rebuild(like: Any, values: list) -> Any:
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*values)
+    return type(like)(values)
+
+
+def _map(batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to each splittable leaf; other leaves pass through."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch) if batch.dim() > 0 else batch
+    if _is_samples(batch):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        mapped = {k: _map(v, fn) for k, v in batch.items()}
+        try:
+            return mapped if type(batch) is dict else type(batch)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(batch, (list, tuple)):
+        return _rebuild(batch, [_map(v, fn) for v in batch])
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{
+            f.name: _map(getattr(batch, f.name), fn) for f in dataclasses.fields(batch)
+            if f.init})
+    return batch
+
+
+def leaves(batch: Any) -> list:
+    """The splittable leaves of ``batch``, depth first."""
+    out: list = []
+
+    def take(x: Any) -> Any:
+        out.append(x)
+        return x
+
+    _map(batch, take)
+    return out
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the common length of its splittable leaves.
+
+    Raises:
+        ValueError: no splittable leaf, or leaves of different lengths.
+    """
+    sizes = {len(x) if not isinstance(x, torch.Tensor) else x.shape[0] for x in leaves(batch)}
+    if not sizes:
+        raise ValueError("the batch holds no tensor with a batch dimension and no list of "
+                         f"samples to split: {type(batch).__name__}")
+    if len(sizes) > 1:
+        raise ValueError(f"the batch's tensors and sample lists disagree on the batch size "
+                         f"(dim 0): {sorted(sizes)}")
+    return sizes.pop()
+
+
+def split(batch: Any, n: int, size: int) -> list:
+    """``batch`` of ``n`` samples as micro-batches of ``size`` samples (the
+    last one may be smaller)."""
+    if size >= n:
+        return [batch]
+    return [slice_(batch, start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def slice_(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of ``batch``."""
+    return _map(batch, lambda x: x[start:stop])
+
+
+def concat(parts: list) -> Any:
+    """Join per-micro-batch outputs of the same structure along dim 0."""
+    if not parts:
+        return None
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return torch.stack(parts)
+        return torch.cat(parts)
+    if _is_samples(first):
+        return _rebuild(first, [v for p in parts for v in p])
+    if isinstance(first, Mapping):
+        return {k: concat([p[k] for p in parts]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return _rebuild(first, [concat([p[i] for p in parts]) for i in range(len(first))])
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{
+            f.name: concat([getattr(p, f.name) for p in parts])
+            for f in dataclasses.fields(first) if f.init})
+    return first
+
+
+def detach(x: Any) -> Any:
+    """``x`` with every tensor detached (outputs kept past a step must not
+    hold its graph alive)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, Mapping):
+        return {k: detach(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and not _is_samples(x):
+        return _rebuild(x, [detach(v) for v in x])
+    return x

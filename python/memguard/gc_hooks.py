@@ -1,0 +1,134 @@
+"""gc hooks: every Python collection timed, and memory released when
+pressure rises.
+
+:class:`GcHooks` times each collection through ``gc.callbacks``. Its
+:meth:`~GcHooks.relieve` does, at most once per ``min_interval_s``: one full
+``gc.collect()`` (skipped while the script has automatic collection off
+and collects on its own schedule, unless forced), the system allocator's
+trim (``malloc_trim(0)`` under glibc, a purge of every jemalloc arena when
+jemalloc serves ``malloc``), a release of memguard's arena cache, and
+``torch.cuda.empty_cache()`` where CUDA is in use. The guard calls it on a
+rise to HIGH, after an evaluation loop, and (collecting whatever the gc
+setting) before redoing a step that ran out of memory.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from memguard import _C
+
+
+@dataclass
+class GcStats:
+    """Python collections seen and relief runs done."""
+    collections: list[int] = field(default_factory=lambda: [0, 0, 0])  # per generation
+    gc_seconds: float = 0.0           # time inside collections, all generations
+    max_pause_s: float = 0.0          # longest single collection
+    collected: int = 0
+    uncollectable: int = 0
+    reliefs: int = 0                  # relieve() runs that did something
+    relief_seconds: float = 0.0
+    released_bytes: int = 0           # given back by the arena's cache release
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["collections"] = list(self.collections)
+        return d
+
+
+class GcHooks:
+    """Times Python collections; releases memory under pressure.
+
+    Args:
+        min_interval_s: the least time between two :meth:`relieve` runs
+            that are not forced (=10).
+        on_event: called with ``(name, data)`` after each relief
+            (telemetry).
+    """
+
+    def __init__(self, min_interval_s: float = 10.0,
+                 on_event: Callable[[str, dict], Any] | None = None) -> None:
+        if not min_interval_s >= 0:
+            raise ValueError(f"min_interval_s must be >= 0, not {min_interval_s!r}")
+        self.min_interval_s = float(min_interval_s)
+        self.on_event = on_event
+        self.stats = GcStats()
+        self._t0: float | None = None   # start of the collection under way (GIL-serialised)
+        self._lock = threading.Lock()   # one relief at a time; guards _last
+        self._last = -float("inf")
+        self._installed = False
+
+    def install(self) -> GcHooks:
+        """Start timing collections. Idempotent."""
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Stop timing collections. Idempotent."""
+        if self._installed:
+            try:
+                gc.callbacks.remove(self._callback)
+            except ValueError:
+                pass
+            self._installed = False
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        if self._t0 is None:
+            return
+        dt = time.perf_counter() - self._t0
+        self._t0 = None
+        s = self.stats
+        gen = info.get("generation", 2)
+        s.collections[gen if 0 <= gen <= 2 else 2] += 1
+        s.gc_seconds += dt
+        s.max_pause_s = max(s.max_pause_s, dt)
+        s.collected += info.get("collected", 0)
+        s.uncollectable += info.get("uncollectable", 0)
+
+    def relieve(self, reason: str = "pressure", *, force: bool = False,
+                collect: bool | None = None) -> dict | None:
+        """Release what memory can be released now.
+
+        Args:
+            reason: recorded with the event ("high", "oom", "evaluate", ...).
+            force: ignore the rate limit.
+            collect: run ``gc.collect()``; ``None``: only while automatic
+                collection is on (a script that turned it off collects on
+                its own schedule).
+
+        Returns:
+            What was done (``None`` when rate-limited).
+        """
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last < self.min_interval_s:
+                return None
+            self._last = now
+            t0 = time.perf_counter()
+            done: dict[str, Any] = {"reason": reason}
+            if collect or (collect is None and gc.isenabled()):
+                done["gc_collected"] = gc.collect()
+            done["system_trim"] = _C.system_trim()
+            done["arena_released_bytes"] = _C.arena_trim(0)
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+                done["cuda_empty_cache"] = True
+            done["seconds"] = time.perf_counter() - t0
+            s = self.stats
+            s.reliefs += 1
+            s.relief_seconds += done["seconds"]
+            s.released_bytes += done["arena_released_bytes"]
+        if self.on_event is not None:
+            self.on_event("relieve", done)
+        return done

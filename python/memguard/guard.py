@@ -1,0 +1,552 @@
+"""The run-time batch throttle: :class:`Guard` and :meth:`Guard.step`.
+
+::
+
+    guard = memguard.Guard(budget="auto")
+    with guard:                                   # sampler, gc hooks, allocator
+        for batch in loader:
+            res = guard.step(batch, loss_fn, optimizer)
+
+``guard.step`` splits each batch into micro-batches of the size the planner
+(memguard's C state machine) chose for this step, accumulates their
+gradients weighted by their share of the step, and steps the optimizer once:
+the effective batch, the learning-rate schedule and the data order stay the
+script's. An out-of-memory error inside the step redoes the step from its
+first micro-batch at a smaller size, with gradients zeroed, listed buffers
+and the RNG restored, and memory released first; nothing of the failed
+attempt survives.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
+
+import torch
+
+from memguard import _C, _batch, allocator
+from memguard.accumulation import Accumulator
+from memguard.budget import parse_budget
+from memguard.gc_hooks import GcHooks
+from memguard.telemetry import JsonlExporter, Level, PressureEvent, Sampler, open_exporter
+
+
+class GuardOOMError(RuntimeError):
+    """A step ran out of memory at every micro-batch size the guard may use."""
+
+    def __init__(self, tried: list[int], min_micro_batch: int) -> None:
+        self.tried = list(tried)
+        super().__init__(
+            "out of memory at every micro-batch size tried for this step "
+            f"({', '.join(map(str, tried))}; min_micro_batch={min_micro_batch}): lower "
+            "min_micro_batch, raise the budget, or checkpoint activations")
+
+
+@dataclasses.dataclass
+class Output:
+    """What a ``loss_fn`` may return instead of a bare loss.
+
+    Attributes:
+        loss: the micro-batch's mean loss.
+        weight: its weight in the step (default: its sample count).
+        aux: tensors (or a nest of them) to concatenate over the step's
+            micro-batches and hand to ``post_step`` once per step.
+    """
+    loss: torch.Tensor
+    weight: Any = None
+    aux: Any = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What :meth:`Guard.step` did.
+
+    Attributes:
+        loss: the step's mean loss (weighted like the gradients).
+        micro_batch: the micro-batch size the step finished at.
+        n_micro: how many micro-batches it took.
+        retries: attempts redone after an out-of-memory error.
+        peak_bytes: the step's peak memory (arena, CUDA or RSS: see
+            :attr:`Guard.peak_source`).
+        aux: the concatenated ``aux`` of the micro-batches, or ``None``.
+        weight: the step's total weight.
+        tried: sizes that ran out of memory in this step.
+    """
+    loss: float
+    micro_batch: int
+    n_micro: int
+    retries: int
+    peak_bytes: int
+    aux: Any = None
+    weight: float = 0.0
+    tried: list[int] = dataclasses.field(default_factory=list)
+
+
+def _unpack(out: Any) -> tuple[torch.Tensor, Any, Any]:
+    """(loss, weight or None, aux or None) from what a loss_fn returned."""
+    if isinstance(out, torch.Tensor):
+        return out, None, None
+    if isinstance(out, tuple) and not hasattr(out, "_fields") and len(out) == 2:
+        return out[0], out[1], None
+    if isinstance(out, Mapping) and "loss" in out:
+        return out["loss"], out.get("weight"), out.get("aux")
+    if hasattr(out, "loss"):
+        return out.loss, getattr(out, "weight", None), getattr(out, "aux", None)
+    raise TypeError("loss_fn must return a loss tensor, (loss, weight), a mapping with "
+                    f"'loss', or an object with .loss (memguard.Output), not {type(out)!r}")
+
+
+class _Snapshot:
+    """State a failed attempt may have changed: buffers of the modules in
+    ``restore``, listed tensors, objects with ``state_dict``, and the RNG."""
+
+    def __init__(self, restore: Any) -> None:
+        items = restore if isinstance(restore, (list, tuple)) else (restore,)
+        self._saved: list[tuple[str, Any, Any]] = []
+        with torch.no_grad():
+            for obj in items:
+                if isinstance(obj, torch.nn.Module):
+                    bufs = [b for b in obj.buffers() if b is not None]
+                    self._saved.append(("buffers", bufs, [b.clone() for b in bufs]))
+                elif isinstance(obj, torch.Tensor):
+                    self._saved.append(("tensor", obj, obj.clone()))
+                elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+                    self._saved.append(("state", obj, copy.deepcopy(obj.state_dict())))
+                else:
+                    raise TypeError("restore= takes modules (their buffers), tensors, or "
+                                    "objects with state_dict/load_state_dict, not "
+                                    f"{type(obj).__name__}")
+        self._rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for kind, obj, saved in self._saved:
+                if kind == "buffers":
+                    for b, s in zip(obj, saved):
+                        b.copy_(s)
+                elif kind == "tensor":
+                    obj.copy_(saved)
+                else:
+                    obj.load_state_dict(copy.deepcopy(saved))
+        torch.set_rng_state(self._rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+class _PeakMeter:
+    """A step's peak bytes, from the best source there is: memguard's arena
+    when it serves tensors, CUDA's allocator for CUDA batches, else the
+    process's peak RSS (``VmHWM``, reset through ``clear_refs``)."""
+
+    def __init__(self) -> None:
+        self.source = "none"
+        self._can_reset_rss = True
+
+    def start(self, batch: Any) -> None:
+        leaves = _batch.leaves(batch)
+        first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
+        if first is not None and first.is_cuda:
+            self.source = "cuda"
+            torch.cuda.reset_peak_memory_stats(first.device)
+            self._device = first.device
+        elif allocator.installed():
+            self.source = "arena"
+            _C.arena_reset_peaks()
+        else:
+            self.source = "rss"
+            self._reset_rss()
+
+    def _reset_rss(self) -> None:
+        if not self._can_reset_rss:
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")   # 5: reset the peak RSS to the current RSS
+        except OSError:
+            self._can_reset_rss = False
+
+    def stop(self) -> int:
+        if self.source == "cuda":
+            return int(torch.cuda.max_memory_allocated(self._device))
+        if self.source == "arena":
+            return int(_C.arena_stats()["allocated_bytes.peak"])
+        if self.source == "rss":
+            try:
+                with open("/proc/self/status", "rb") as f:
+                    for line in f:
+                        if line.startswith(b"VmHWM:"):
+                            return int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return 0
+
+
+class Guard:
+    """Keeps training steps inside a memory budget by splitting batches.
+
+    Args:
+        budget: ``"auto"`` (90 % of what this process may use), a size
+            (``"12GiB"``), a share of RAM (``"75%"``) or bytes.
+        micro_batch: ``"auto"`` (start with the whole batch and let pressure
+            and out-of-memory errors decide), or a fixed starting size that
+            only out-of-memory errors change.
+        min_micro_batch: never split finer than this.
+        multiple_of: micro-batches are multiples of this (2 for pair-wise
+            attention, 8 for tensor cores); the whole batch is always allowed.
+        divisor_of: micro-batches divide this (a queue size).
+        telemetry: a path (``.jsonl`` or ``.csv``) or an exporter from
+            :func:`memguard.telemetry.open_exporter`; samples and the
+            guard's decisions go there.
+        model: the module trained, for ``no_sync()`` under DDP.
+        allocator: install memguard's allocator in :meth:`install` where it
+            can be (=True).
+        interval_ms: sampling period of the telemetry sampler.
+        grow_after: calm steps before a larger micro-batch is tried (=8).
+        retry_after: calm steps before a size that failed is tried again (=64).
+        margin: growth keeps the predicted peak under budget*(1-margin) (=0.1).
+        gc_interval_s: the least time between two pressure reliefs (=10).
+        sampler: a :class:`memguard.Sampler` to take pressure levels from
+            instead of starting one (it is started, and stopped on
+            :meth:`uninstall` only if the guard started it).
+
+    Raises:
+        ValueError: a bad budget, size or constraint, naming the value.
+    """
+
+    def __init__(self, budget: str | int | None = "auto", micro_batch: str | int = "auto", *,
+                 min_micro_batch: int = 1, multiple_of: int = 1, divisor_of: int | None = None,
+                 telemetry: Any = None, model: torch.nn.Module | None = None,
+                 allocator: bool = True, interval_ms: float | None = None,
+                 grow_after: int = 8, retry_after: int = 64, margin: float = 0.1,
+                 gc_interval_s: float = 10.0, sampler: Sampler | None = None) -> None:
+        def positive_int(name: str, v: Any) -> int:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, not {v!r}")
+            return v
+
+        positive_int("min_micro_batch", min_micro_batch)
+        positive_int("multiple_of", multiple_of)
+        if divisor_of is not None:
+            positive_int("divisor_of", divisor_of)
+        positive_int("grow_after", grow_after)
+        positive_int("retry_after", retry_after)
+        if micro_batch == "auto":
+            start, fixed = 0, False
+        elif isinstance(micro_batch, int) and not isinstance(micro_batch, bool) \
+                and micro_batch >= 1:
+            start, fixed = micro_batch, True
+        else:
+            raise ValueError(f"micro_batch must be 'auto' or a positive integer, not "
+                             f"{micro_batch!r}")
+        if not 0 <= margin < 1:
+            raise ValueError(f"margin must be in [0, 1), not {margin!r}")
+        self.budget_bytes = 0 if budget is None else parse_budget(budget)
+        self.min_micro_batch = min_micro_batch
+        self.multiple_of = multiple_of
+        self.divisor_of = divisor_of
+        self.model = model
+        self._planner = _C.Planner(
+            micro=start, min_micro=min_micro_batch, multiple_of=multiple_of,
+            divisor_of=divisor_of or 0, budget_bytes=self.budget_bytes, margin=float(margin),
+            grow_after=grow_after, retry_after=retry_after, fixed=fixed)
+        if fixed and self._planner.fit(start) != start:
+            raise ValueError(f"micro_batch {start} breaks the constraints min_micro_batch="
+                             f"{min_micro_batch}, multiple_of={multiple_of}, "
+                             f"divisor_of={divisor_of}")
+        self._want_allocator = allocator
+        self._interval_ms = interval_ms
+        self._telemetry_arg = telemetry
+        self._exporter: Any = None
+        self._own_exporter = False
+        self.sampler: Sampler | None = sampler
+        self._given_sampler = sampler
+        self._own_sampler = False
+        self.gc = GcHooks(min_interval_s=gc_interval_s, on_event=self._event)
+        self._peak = _PeakMeter()
+        self._level_lock = threading.Lock()   # guards _max_level
+        self._max_level = Level.OK            # highest level since the last step boundary
+        self._installed = False
+        self._allocator_installed_here = False
+        self.allocator_error: str | None = None
+        self._evaluating = 0
+        #: counters over the run
+        self.steps = 0
+        self.ooms_recovered = 0
+        self.micro_batch_changes = 0
+        self.peak_bytes = 0
+        self.last: StepResult | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+    def install(self) -> Guard:
+        """Start the telemetry sampler and gc hooks, and route tensor memory
+        to memguard's allocator with the budget where it can be. Idempotent."""
+        if self._installed:
+            return self
+        if self._want_allocator and "torch" in sys.modules:
+            try:
+                was = allocator.installed()
+                allocator.install(budget=self.budget_bytes or None)
+                self._allocator_installed_here = not was
+            except RuntimeError as exc:   # not ELF, no libc10 imports: run without it
+                self.allocator_error = str(exc)
+        t = self._telemetry_arg
+        if t is not None:
+            if isinstance(t, (str, os.PathLike)):
+                self._exporter, self._own_exporter = open_exporter(t), True
+            else:
+                self._exporter = t
+        if self._given_sampler is not None:
+            self.sampler = self._given_sampler
+            self._own_sampler = not self.sampler.running
+        else:
+            self.sampler = Sampler(interval_ms=self._interval_ms,
+                                   budget=self.budget_bytes or None)
+            self._own_sampler = True
+        if self._exporter is not None:
+            self.sampler.on_sample(self._exporter)
+        self.sampler.on_pressure(self._on_pressure)
+        self.sampler.start()
+        self.gc.install()
+        self._installed = True
+        self._event("install", budget_bytes=self.budget_bytes,
+                    allocator=allocator.installed(), allocator_error=self.allocator_error)
+        return self
+
+    def uninstall(self) -> None:
+        """Stop the sampler and gc hooks; give torch's allocations back to
+        the system allocator if :meth:`install` routed them. Idempotent."""
+        if not self._installed:
+            return
+        self._installed = False
+        self.gc.uninstall()
+        if self.sampler is not None:
+            self.sampler.remove_callback(self._on_pressure)
+            if self._exporter is not None:
+                self.sampler.remove_callback(self._exporter)
+            if self._own_sampler:
+                self.sampler.stop()
+            self.sampler = self._given_sampler
+        if self._allocator_installed_here:
+            allocator.uninstall()
+            self._allocator_installed_here = False
+        if self._own_exporter and self._exporter is not None:
+            self._exporter.close()
+        self._exporter = None
+
+    def __enter__(self) -> Guard:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # -- pressure ----------------------------------------------------------
+    def _on_pressure(self, ev: PressureEvent) -> None:
+        with self._level_lock:
+            self._max_level = max(self._max_level, ev.new)
+        if ev.new >= Level.HIGH > ev.old:
+            self.gc.relieve("high")
+
+    def _boundary_level(self) -> int:
+        """Highest level since the previous step boundary (a HIGH that came
+        and went between two steps still counts), then start afresh."""
+        now = Level.OK
+        if self.sampler is not None:
+            s = self.sampler.latest()
+            if s is not None:
+                now = s.level
+        with self._level_lock:
+            level = max(self._max_level, now)
+            self._max_level = now
+        return int(level)
+
+    def _event(self, name: str, data: dict | None = None, **kw: Any) -> None:
+        ex = self._exporter
+        if isinstance(ex, JsonlExporter):
+            ex.event(name, **(data or {}), **kw)
+
+    # -- the step ----------------------------------------------------------
+    @property
+    def micro_batch(self) -> int:
+        """The planned micro-batch size (0 before the first step with "auto")."""
+        return int(self._planner.state()["micro"])
+
+    @property
+    def peak_source(self) -> str:
+        """Where peak bytes come from: "arena", "cuda", "rss" (or "none")."""
+        return self._peak.source
+
+    def plan(self) -> dict[str, Any]:
+        """The planner's state and its last decision with the reason."""
+        return self._planner.state()
+
+    def step(self, batch: Any, loss_fn: Callable[[Any], Any], optimizer: torch.optim.Optimizer,
+             scaler: Any = None, clip_grad_norm: float | None = None,
+             post_step: Callable[[Any], Any] | None = None, restore: Any = (),
+             ) -> StepResult:
+        """One optimizer step over ``batch``, micro-batched as planned.
+
+        Args:
+            batch: a tensor or a nest of tuples/lists/dicts of tensors (and
+                lists of per-sample values), split along dim 0.
+            loss_fn: ``loss_fn(micro)`` returns the micro-batch's mean loss,
+                ``(loss, weight)``, or an :class:`Output` with ``aux``.
+            optimizer: stepped once, gradients zeroed after.
+            scaler: a ``torch.amp.GradScaler`` for float16 AMP.
+            clip_grad_norm: clip the total gradient norm (after unscaling).
+            post_step: called once with the concatenated ``aux`` after the
+                optimizer step (EMA, queue updates, centering).
+            restore: modules (their buffers), tensors or objects with
+                ``state_dict`` that the forward pass changes, restored
+                before a step is redone.
+
+        Returns:
+            A :class:`StepResult`.
+
+        Raises:
+            GuardOOMError: out of memory at the smallest allowed size.
+        """
+        n = _batch.batch_size(batch)
+        micro = int(self._planner.begin(n, self._boundary_level()))
+        plan = self._planner.state()
+        if plan["action"] != "hold":
+            self.micro_batch_changes += 1
+        snapshot = _Snapshot(restore)
+        acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm)
+        tried: list[int] = []
+        self._peak.start(batch)
+        optimizer.zero_grad(set_to_none=True)
+        while True:
+            try:
+                aux = self._attempt(batch, n, micro, loss_fn, acc)
+                break
+            except Exception as exc:
+                if not allocator.is_oom(exc):
+                    acc.reset()
+                    raise
+                tried.append(micro)
+                nxt = self._planner.oom(micro)
+                if nxt is None:
+                    acc.reset()
+                    snapshot.restore()
+                    self._event("oom_gave_up", tried=tried)
+                    raise GuardOOMError(tried, self.min_micro_batch) from exc
+            # out of the except block: the failed attempt's frames are gone
+            acc.reset()
+            snapshot.restore()
+            self.gc.relieve("oom", force=True, collect=True)
+            self.ooms_recovered += 1
+            self.micro_batch_changes += 1
+            self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
+                        micro_batch=int(nxt))
+            micro = int(nxt)
+        n_micro = acc.micro_batches
+        weight = acc.weight
+        loss = acc.step()
+        aux = _batch.concat(aux) if aux else None
+        if post_step is not None:
+            post_step(aux)
+        peak = self._peak.stop()
+        self._planner.end(micro, peak)
+        self.peak_bytes = max(self.peak_bytes, peak)
+        res = StepResult(loss=loss, micro_batch=micro, n_micro=n_micro, retries=len(tried),
+                         peak_bytes=peak, aux=aux, weight=weight, tried=tried)
+        self.last = res
+        self._event("step", step=self.steps, micro_batch=micro, n_micro=n_micro,
+                    retries=len(tried), peak_bytes=peak, loss=loss,
+                    action=plan["action"], reason=plan["reason"])
+        self.steps += 1
+        return res
+
+    def _attempt(self, batch: Any, n: int, micro: int, loss_fn: Callable[[Any], Any],
+                 acc: Accumulator) -> list:
+        """Forward and backward of every micro-batch; their aux, detached."""
+        auxes: list = []
+        # Sample weights are known up front: scale each loss by its share at
+        # once, so one micro-batch of the whole batch is the plain step.
+        acc.total_weight = float(n)
+        caller_weights = None
+        for micro_batch in acc.iterate(_batch.split(batch, n, micro)):
+            loss, weight, aux = _unpack(loss_fn(micro_batch))
+            if caller_weights is None:
+                caller_weights = weight is not None
+                if caller_weights:
+                    acc.total_weight = None
+            elif caller_weights != (weight is not None):
+                raise ValueError("loss_fn returned a weight for some micro-batches and not "
+                                 "for others")
+            if weight is None:
+                weight = _batch.batch_size(micro_batch)
+            acc.backward(loss, weight)
+            if aux is not None:
+                auxes.append(_batch.detach(aux))
+        return auxes
+
+    # -- evaluation --------------------------------------------------------
+    @contextlib.contextmanager
+    def evaluate(self) -> Iterator[Guard]:
+        """Run a validation loop under ``no_grad``, micro-batched by
+        :meth:`infer`; memory is released when it ends."""
+        self._evaluating += 1
+        try:
+            with torch.no_grad():
+                yield self
+        finally:
+            self._evaluating -= 1
+            self.gc.relieve("evaluate", force=True)
+
+    def infer(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
+        """``fn`` over ``batch`` in micro-batches of the planned size,
+        outputs concatenated (detached). An out-of-memory error shrinks the
+        size and goes on from the micro-batch that failed.
+
+        Raises:
+            GuardOOMError: out of memory at the smallest allowed size.
+        """
+        n = _batch.batch_size(batch)
+        micro = min(self.micro_batch or n, n)
+        outs: list = []
+        start = 0
+        tried: list[int] = []
+        with torch.no_grad():
+            while start < n:
+                stop = min(start + micro, n)
+                try:
+                    out = fn(_batch.slice_(batch, start, stop))
+                except Exception as exc:
+                    if not allocator.is_oom(exc):
+                        raise
+                    tried.append(micro)
+                    nxt = self._planner.oom(micro)
+                    if nxt is None:
+                        raise GuardOOMError(tried, self.min_micro_batch) from exc
+                else:
+                    outs.append(_batch.detach(out))
+                    start = stop
+                    continue
+                self.gc.relieve("oom", force=True, collect=True)
+                self.ooms_recovered += 1
+                micro = int(nxt)
+        return _batch.concat(outs)
+
+    # -- reporting ---------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Counters of the run so far."""
+        return {
+            "steps": self.steps,
+            "micro_batch": self.micro_batch,
+            "micro_batch_changes": self.micro_batch_changes,
+            "ooms_recovered": self.ooms_recovered,
+            "peak_bytes": self.peak_bytes,
+            "peak_source": self.peak_source,
+            "budget_bytes": self.budget_bytes,
+            "gc": self.gc.stats.to_dict(),
+            "plan": self.plan(),
+            "time": time.time(),
+        }
