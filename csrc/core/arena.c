@@ -7,7 +7,8 @@
  * Freed blocks stay cached in per-class free lists; cached large blocks can
  * be given back to the kernel (MADV_DONTNEED) and keep their address range.
  *
- * The budget bounds reserved bytes (allocated + cached + slab space) by an
+ * The budget bounds reserved bytes (allocated + cached blocks; a slab counts
+ * the blocks carved from it, not its untouched tail) by an
  * atomic reserve, compare, roll back; before failing, the allocation releases
  * cached blocks. Nothing here calls Python or blocks on anything but a
  * short, leaf-level mutex; other classes' locks are only ever try-locked. */
@@ -333,14 +334,17 @@ static int small_alloc(size_t size, void **out)
         p = f;
         hit = 1;
     } else {
+        /* Only carved blocks count as reserved, not whole chunks: with one
+         * chunk per class in use, counting chunks would charge a budget up
+         * to 48 x 2 MiB for pages never touched. */
+        if (reserve(csize) != 0) {
+            pthread_mutex_unlock(&k->lock);
+            return ENOMEM;
+        }
         if (!k->bump || k->bump + csize > k->bump_end) { /* (NULL + n is undefined) */
-            if (reserve(CHUNK) != 0) {
-                pthread_mutex_unlock(&k->lock);
-                return ENOMEM;
-            }
             char *chunk = carve_slab_chunk(c);
             if (!chunk) { /* the slab range is used up */
-                unreserve(CHUNK);
+                unreserve(csize);
                 pthread_mutex_unlock(&k->lock);
                 return ENOMEM;
             }

@@ -119,13 +119,22 @@ static void decide(mg_planner_t *p, int action, int reason, uint64_t to)
     p->micro = to;
 }
 
-/* Smallest allowed size above @p x, or the full batch when none below it is. */
+/* Smallest size above @p x that is allowed or is the full batch; UINT64_MAX
+ * when there is none. */
 static uint64_t next_up(const mg_planner_t *p, uint64_t x)
 {
-    uint64_t s = x < p->opts.min_micro ? p->opts.min_micro : x + 1;
-    while (s < p->full && !allowed(&p->opts, s))
-        s++;
-    return s;
+    const mg_planner_opts_t *o = &p->opts;
+    uint64_t s = x < o->min_micro ? o->min_micro : x + 1;
+    uint64_t cap = p->full > x ? p->full : UINT64_MAX;
+    if (o->divisor_of == 0) {
+        s += (o->multiple_of - s % o->multiple_of) % o->multiple_of; /* the next multiple */
+    } else {
+        while (s < cap && s <= o->divisor_of && !allowed(o, s))
+            s++;
+        if (!allowed(o, s))
+            s = UINT64_MAX;
+    }
+    return s < cap ? s : cap;
 }
 
 /* Allowed size at most @p target that splits the full batch into as few
@@ -133,13 +142,14 @@ static uint64_t next_up(const mg_planner_t *p, uint64_t x)
  * micro-batches, and two of 16 hold less at their peak. */
 static int balanced(const mg_planner_t *p, uint64_t target, uint64_t *size)
 {
-    uint64_t s, b;
+    uint64_t s;
     if (mg_planner_fit(p, target, &s))
         return ENOENT;
     if (p->full > s) {
+        /* the smallest allowed size that still takes k micro-batches: one
+         * of full/k or more; s itself is such a size */
         uint64_t k = (p->full + s - 1) / s;
-        if (mg_planner_fit(p, (p->full + k - 1) / k, &b) == 0 && (p->full + b - 1) / b == k)
-            s = b;
+        s = next_up(p, (p->full + k - 1) / k - 1);
     }
     *size = s;
     return 0;
@@ -194,7 +204,8 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         return EINVAL;
     if (batch > p->full)
         p->full = batch;
-    if (p->micro == 0 || p->micro > p->full) {
+    if (p->micro == 0 || (p->micro > p->full && !p->opts.fixed)) {
+        /* (a fixed plan survives a short batch, such as an epoch's last) */
         p->micro = p->full;
     } else if (p->micro < p->full && !allowed(&p->opts, p->micro)) {
         /* a starting size the constraints do not allow, or the full batch

@@ -92,13 +92,19 @@ int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
 
     if (s->budget_bytes && (s->have & MG_HAVE_STATUS)) {
         s->have |= MG_HAVE_BUDGET;
-        s->budget_used_fraction = (double)s->rss_bytes / (double)s->budget_bytes;
+        /* the arena's cached blocks are released before any allocation
+         * would fail (and on HIGH): they do not press */
+        uint64_t cached = (s->have & MG_HAVE_ARENA) ? s->arena_cached_bytes : 0;
+        uint64_t rss = s->rss_bytes > cached ? s->rss_bytes - cached : 0;
+        s->budget_used_fraction = (double)rss / (double)s->budget_bytes;
         consider(above(s->budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw, &reasons);
     }
 
     if ((s->have & MG_HAVE_ARENA) && s->arena_budget_bytes) {
         s->arena_budget_used_fraction =
-            (double)s->arena_reserved_bytes / (double)s->arena_budget_bytes;
+            (double)(s->arena_reserved_bytes > s->arena_cached_bytes
+                         ? s->arena_reserved_bytes - s->arena_cached_bytes : 0) /
+            (double)s->arena_budget_bytes;
         consider(above(s->arena_budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw,
                  &reasons);
     }

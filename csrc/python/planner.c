@@ -37,10 +37,14 @@ static int Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
     o.retry_after = retry_after;
     o.fixed = fixed;
     if (mg_planner_init(&self->p, &o, micro)) {
-        PyErr_Format(PyExc_ValueError,
-                     "no micro-batch size satisfies min_micro=%llu, multiple_of=%llu, "
-                     "divisor_of=%llu (margin %g, decay %g, grow_after %u)",
-                     min_micro, multiple_of, divisor_of, o.margin, o.decay, grow_after);
+        /* PyErr_Format knows no %g: format here */
+        char msg[256];
+        snprintf(msg, sizeof(msg),
+                 "invalid planner options: no micro-batch size satisfies min_micro=%llu, "
+                 "multiple_of=%llu, divisor_of=%llu, or margin %g is not in [0, 1), "
+                 "decay %g not in (0, 1], grow_after %u is 0",
+                 min_micro, multiple_of, divisor_of, o.margin, o.decay, grow_after);
+        PyErr_SetString(PyExc_ValueError, msg);
         return -1;
     }
     return 0;

@@ -37,7 +37,7 @@ typedef struct mg_arena_stats {
     uint32_t size;    /**< sizeof(mg_arena_stats_t) of the writer */
     uint32_t version; /**< MG_ARENA_STATS_VERSION */
     uint64_t allocated_current, allocated_peak; /**< blocks handed out */
-    uint64_t reserved_current, reserved_peak;   /**< allocated + cached + slab space */
+    uint64_t reserved_current, reserved_peak;   /**< allocated + cached blocks */
     uint64_t active_current, active_peak;       /**< = allocated on the CPU */
     uint64_t requested_current, requested_peak; /**< sizes callers asked for */
     uint64_t cached_bytes;    /**< freed large blocks kept resident for reuse */

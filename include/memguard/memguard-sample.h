@@ -72,7 +72,7 @@ typedef struct mg_sample {
 
     /* pressure */
     uint64_t budget_bytes;
-    double budget_used_fraction; /**< rss_bytes / budget_bytes */
+    double budget_used_fraction; /**< (rss - arena cached) / budget_bytes */
     double headroom_fraction;    /**< min free fraction: system, cgroup */
     int32_t raw_level;           /**< level of this sample alone */
     int32_t level;               /**< after hysteresis */
@@ -83,7 +83,7 @@ typedef struct mg_sample {
     uint64_t arena_allocated_bytes, arena_reserved_bytes, arena_cached_bytes;
     uint64_t arena_budget_bytes;     /**< 0: the arena has no budget */
     uint64_t arena_ooms;             /**< allocations refused by the arena's budget */
-    double arena_budget_used_fraction; /**< reserved / budget; NaN without a budget */
+    double arena_budget_used_fraction; /**< (reserved - cached) / budget; NaN without one */
 } mg_sample_t;
 
 #endif /* MEMGUARD_SAMPLE_H */

@@ -128,4 +128,7 @@ def detach(x: Any) -> Any:
         return {k: detach(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)) and not _is_samples(x):
         return _rebuild(x, [detach(v) for v in x])
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{
+            f.name: detach(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
     return x

@@ -260,6 +260,7 @@ class Guard:
             raise ValueError(f"micro_batch {start} breaks the constraints min_micro_batch="
                              f"{min_micro_batch}, multiple_of={multiple_of}, "
                              f"divisor_of={divisor_of}")
+        self._planner_budget = self.budget_bytes
         self._want_allocator = allocator
         self._interval_ms = interval_ms
         self._telemetry_arg = telemetry
@@ -270,8 +271,8 @@ class Guard:
         self._own_sampler = False
         self.gc = GcHooks(min_interval_s=gc_interval_s, on_event=self._event)
         self._peak = _PeakMeter()
-        self._level_lock = threading.Lock()   # guards _max_level
-        self._max_level = Level.OK            # highest level since the last step boundary
+        self._level_lock = threading.Lock()   # guards _max_raw
+        self._max_raw = Level.OK              # highest raw level since the last step boundary
         self._installed = False
         self._allocator_installed_here = False
         self.allocator_error: str | None = None
@@ -312,6 +313,7 @@ class Guard:
         if self._exporter is not None:
             self.sampler.on_sample(self._exporter)
         self.sampler.on_pressure(self._on_pressure)
+        self.sampler.on_sample(self._on_sample)
         self.sampler.start()
         self.gc.install()
         self._installed = True
@@ -328,6 +330,7 @@ class Guard:
         self.gc.uninstall()
         if self.sampler is not None:
             self.sampler.remove_callback(self._on_pressure)
+            self.sampler.remove_callback(self._on_sample)
             if self._exporter is not None:
                 self.sampler.remove_callback(self._exporter)
             if self._own_sampler:
@@ -348,23 +351,30 @@ class Guard:
 
     # -- pressure ----------------------------------------------------------
     def _on_pressure(self, ev: PressureEvent) -> None:
-        with self._level_lock:
-            self._max_level = max(self._max_level, ev.new)
         if ev.new >= Level.HIGH > ev.old:
             self.gc.relieve("high")
 
-    def _boundary_level(self) -> int:
-        """Highest level since the previous step boundary (a HIGH that came
-        and went between two steps still counts), then start afresh."""
-        now = Level.OK
-        if self.sampler is not None:
-            s = self.sampler.latest()
-            if s is not None:
-                now = s.level
+    def _on_sample(self, s: Any) -> None:
         with self._level_lock:
-            level = max(self._max_level, now)
-            self._max_level = now
-        return int(level)
+            self._max_raw = max(self._max_raw, s.raw_level)
+
+    def _boundary_level(self) -> int:
+        """The level a step boundary acts on. Shrinking needs a sample of
+        the last step itself at HIGH or above (its raw level, before
+        hysteresis: a step already shrunk is not shrunk again for pressure
+        it no longer causes); while the hysteresis level stays up the size
+        holds (ELEVATED); growth waits for a calm level."""
+        if self.sampler is None:
+            return int(Level.OK)
+        s = self.sampler.latest()
+        with self._level_lock:
+            raw = max(self._max_raw, s.raw_level if s is not None else Level.OK)
+            self._max_raw = Level.OK
+        if raw >= Level.HIGH:
+            return int(raw)
+        if s is not None and s.level >= Level.ELEVATED:
+            return int(Level.ELEVATED)
+        return int(raw)
 
     def _event(self, name: str, data: dict | None = None, **kw: Any) -> None:
         ex = self._exporter
@@ -413,6 +423,8 @@ class Guard:
             GuardOOMError: out of memory at the smallest allowed size.
         """
         n = _batch.batch_size(batch)
+        self._peak.start(batch)
+        self._sync_budget()
         micro = int(self._planner.begin(n, self._boundary_level()))
         plan = self._planner.state()
         if plan["action"] != "hold":
@@ -420,7 +432,6 @@ class Guard:
         snapshot = _Snapshot(restore)
         acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm)
         tried: list[int] = []
-        self._peak.start(batch)
         optimizer.zero_grad(set_to_none=True)
         while True:
             try:
@@ -463,6 +474,16 @@ class Guard:
                     action=plan["action"], reason=plan["reason"])
         self.steps += 1
         return res
+
+    def _sync_budget(self) -> None:
+        """Growth is checked against the budget of what the peaks measure:
+        the arena's own budget when it serves tensors and has one."""
+        budget = self.budget_bytes
+        if self._peak.source == "arena":
+            budget = _C.arena_stats()["budget_bytes"] or budget
+        if budget != self._planner_budget:
+            self._planner.set_budget(budget)
+            self._planner_budget = budget
 
     def _attempt(self, batch: Any, n: int, micro: int, loss_fn: Callable[[Any], Any],
                  acc: Accumulator) -> list:

@@ -1,0 +1,206 @@
+"""GcHooks: timing Python collections, relief runs (rate limit, the gc
+setting, the system trim, the arena cache), and the guard's reaction to
+pressure: a shrink at the next step and one relief on the rise to HIGH."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import memguard
+from memguard import _C
+from memguard.gc_hooks import GcHooks
+from memguard.telemetry import Level, Sampler, read_jsonl
+
+from .conftest import FIXTURES
+
+MiB = 2**20
+
+
+class CollectCounter:
+    """Counts collections through gc.callbacks, independently of GcHooks."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.n += 1
+
+    def __enter__(self) -> CollectCounter:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def test_collections_are_timed_while_installed():
+    hooks = GcHooks()
+    assert hooks.install() is hooks
+    hooks.install()  # idempotent: one callback, not two
+    try:
+        assert gc.callbacks.count(hooks._callback) == 1
+        before = list(hooks.stats.collections)
+        gc.collect()
+        gc.collect(2)
+        s = hooks.stats
+        assert s.collections[2] == before[2] + 2
+        assert s.gc_seconds > 0 and 0 < s.max_pause_s <= s.gc_seconds
+        gc.collect(0)
+        assert s.collections[0] >= before[0] + 1
+        d = s.to_dict()
+        assert d["collections"] == s.collections and d["collections"] is not s.collections
+    finally:
+        hooks.uninstall()
+    hooks.uninstall()  # idempotent
+    assert hooks._callback not in gc.callbacks
+    frozen = (list(hooks.stats.collections), hooks.stats.gc_seconds)
+    gc.collect()
+    assert (hooks.stats.collections, hooks.stats.gc_seconds) == frozen
+
+
+def test_relieve_is_rate_limited_unless_forced():
+    events = []
+    hooks = GcHooks(min_interval_s=60, on_event=lambda name, d: events.append((name, d)))
+    first = hooks.relieve("high")
+    assert first is not None and first["reason"] == "high"
+    assert hooks.relieve("high") is None  # within min_interval_s
+    assert hooks.relieve("pressure") is None
+    forced = hooks.relieve("oom", force=True)
+    assert forced is not None and forced["reason"] == "oom"
+    assert hooks.stats.reliefs == 2
+    assert [(n, d["reason"]) for n, d in events] == [("relieve", "high"), ("relieve", "oom")]
+    assert hooks.stats.relief_seconds >= first["seconds"] + forced["seconds"] > 0
+    # no limit: every call runs
+    free = GcHooks(min_interval_s=0)
+    assert free.relieve() is not None and free.relieve() is not None
+    with pytest.raises(ValueError, match="min_interval_s"):
+        GcHooks(min_interval_s=-1)
+
+
+def test_relieve_respects_a_script_that_turned_gc_off():
+    hooks = GcHooks(min_interval_s=0)
+    with CollectCounter() as count:
+        done = hooks.relieve()
+        assert "gc_collected" in done and count.n == 1  # gc on: relief collects
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            n = count.n
+            done = hooks.relieve()
+            assert "gc_collected" not in done and count.n == n
+            done = hooks.relieve(collect=True)
+            assert "gc_collected" in done and count.n == n + 1
+            done = hooks.relieve(collect=False)
+            assert "gc_collected" not in done and count.n == n + 1
+        finally:
+            if was:
+                gc.enable()
+    assert gc.isenabled() == was
+
+
+def test_system_trim_is_glibc_in_a_plain_process():
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run(
+        [sys.executable, "-c", "from memguard import _C; print(_C.system_trim())"],
+        capture_output=True, text=True, timeout=60, check=True, env=env)
+    assert out.stdout.strip() == "glibc"
+    assert GcHooks(min_interval_s=0).relieve()["system_trim"] == _C.system_trim()
+
+
+def test_relieve_releases_the_arena_cache():
+    torch = pytest.importorskip("torch")
+    memguard.allocator.set_budget(None)
+    try:
+        memguard.install()
+    except RuntimeError as e:  # no ELF import slots, or torch allocates elsewhere
+        pytest.skip(f"memguard's allocator cannot be installed here: {e}")
+    try:
+        t = torch.empty(48 * MiB, dtype=torch.uint8)
+        t.fill_(1)
+        del t
+        cached = memguard.stats()["cached_bytes"]
+        assert cached >= 48 * MiB
+        hooks = GcHooks(min_interval_s=0)
+        trims = memguard.stats()["num_trims"]
+        done = hooks.relieve("high")
+        s = memguard.stats()
+        assert s["cached_bytes"] <= cached - 48 * MiB
+        assert done["arena_released_bytes"] >= 48 * MiB
+        assert hooks.stats.released_bytes == done["arena_released_bytes"]
+        assert s["num_trims"] > trims
+    finally:
+        memguard.allocator.set_budget(None)
+        memguard.uninstall()
+
+
+# -- the guard under pressure ------------------------------------------------------
+def _wait(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def test_guard_shrinks_within_a_step_of_high_and_relieves_once(tmp_path):
+    torch = pytest.importorskip("torch")
+    root = FIXTURES / "proc" / "v2"
+    probe = Sampler(proc_root=root / "proc", cgroup_root=root / "cgroup")
+    rss = probe.sample_now().rss_bytes  # the fixture's RSS
+    calm_budget, high_budget = rss * 100, int(rss / 0.95)  # 95 % of the budget used: HIGH
+    sampler = Sampler(interval_ms=10, budget=calm_budget, proc_root=root / "proc",
+                      cgroup_root=root / "cgroup", pressure={"calm_samples": 2})
+    path = tmp_path / "guard.jsonl"
+    guard = memguard.Guard(budget=None, micro_batch="auto", allocator=False, sampler=sampler,
+                           telemetry=path, gc_interval_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 8)
+
+    def loss_fn(mb):
+        return model(mb).square().mean()
+
+    highs = []
+    try:
+        guard.install()
+        assert sampler.running
+        n = guard.gc.stats.collections[2]
+        gc.collect()
+        assert guard.gc.stats.collections[2] == n + 1  # the guard's gc hooks are in
+        sampler.on_pressure(lambda ev: highs.append(ev) if ev.new >= Level.HIGH else None)
+        assert _wait(lambda: sampler.latest() is not None)
+        assert sampler.latest().level < Level.HIGH  # the fixture's headroom: ELEVATED
+        res = guard.step(x, loss_fn, opt)  # the whole batch
+        assert res.micro_batch == 32 and guard.plan()["reason"] == "start"
+        sampler.set_budget(high_budget)
+        assert _wait(lambda: sampler.latest().level >= Level.HIGH)
+        s = sampler.latest()
+        assert s.level == Level.HIGH and "budget" in s.reasons
+        res = guard.step(x, loss_fn, opt)
+        plan = guard.plan()
+        assert res.micro_batch == 16 and res.n_micro == 2 and res.retries == 0
+        assert plan["action"] == "shrink" and plan["reason"] == "high"
+        assert _wait(lambda: len(highs) == 1)  # guard's callback ran before this one
+        # down and up again within gc_interval_s: the second relief is rate-limited
+        sampler.set_budget(calm_budget)
+        assert _wait(lambda: sampler.latest().level < Level.HIGH)  # ELEVATED: headroom
+        sampler.set_budget(high_budget)
+        assert _wait(lambda: len(highs) == 2)
+        assert guard.gc.stats.reliefs == 1
+    finally:
+        guard.uninstall()
+        sampler.stop()
+    assert not sampler.running and guard.sampler is sampler
+    _, _, events = read_jsonl(path)
+    reliefs = [e for e in events if e["event"] == "relieve"]
+    assert [e["reason"] for e in reliefs] == ["high"]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [(e["micro_batch"], e["reason"]) for e in steps] == [(32, "start"), (16, "high")]
