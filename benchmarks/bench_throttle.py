@@ -158,7 +158,8 @@ def work_constrained(mode: str, steps: int) -> dict:
             res["failed"] = str(exc)[:120]
         res["samples"] = steps * BATCH if res["failed"] is None else 0
     elif mode == "memguard":
-        guard = memguard.Guard(budget=budget, allocator=False).install()
+        # the arena holds the budget (as a GPU would); the guard plans against it
+        guard = memguard.Guard(budget=None, allocator=False).install()
         sizes = set()
         for batch in data:
             r = guard.step(batch, loss_fn, opt)

@@ -468,25 +468,14 @@ def test_queue_gets_the_whole_batch_once_per_step(start, fail_at, retry_size):
     assert all(p % BATCH == 0 for p in m.queue.ptrs)
 
 
-class StubSampler:
-    """What Guard reads of a sampler at a step boundary: its latest sample's
-    level, before (raw_level) and after hysteresis (level)."""
-
-    def __init__(self) -> None:
-        self.level = Level.OK
-
-    def latest(self):
-        return types.SimpleNamespace(level=self.level, raw_level=self.level)
-
-
 def test_queue_stays_aligned_with_divisor_of_and_a_planner_shrink():
     m = Moco()
-    sampler = StubSampler()
-    guard = Guard(budget=None, micro_batch="auto", divisor_of=QUEUE, allocator=False,
-                  sampler=sampler)
+    guard = Guard(budget=None, micro_batch="auto", divisor_of=QUEUE, allocator=False)
     sizes, reasons = [], []
     for step, x in enumerate(_xs(4)):
-        sampler.level = Level.HIGH if step == 1 else Level.OK
+        # what the sampler's on_sample callback hands the guard between steps
+        level = Level.HIGH if step == 1 else Level.OK
+        guard._on_sample(types.SimpleNamespace(level=level, raw_level=level))
         if step == 2:
             m.fail_at = {m.calls}
         res = guard.step(x, m.loss_fn, m.opt, post_step=m.queue.enqueue, restore=[m.queue])

@@ -147,7 +147,7 @@ class _PeakMeter:
 
     def __init__(self) -> None:
         self.source = "none"
-        self._can_reset_rss = True
+        self._fds: tuple[int, int, int] | None = None   # (pid, clear_refs, status)
 
     def start(self, batch: Any) -> None:
         leaves = _batch.leaves(batch)
@@ -161,29 +161,38 @@ class _PeakMeter:
             _C.arena_reset_peaks()
         else:
             self.source = "rss"
-            self._reset_rss()
+            fds = self._rss_fds()
+            if fds is not None:
+                try:
+                    os.pwrite(fds[1], b"5", 0)   # 5: peak RSS := current RSS
+                except OSError:
+                    pass
 
-    def _reset_rss(self) -> None:
-        if not self._can_reset_rss:
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")   # 5: reset the peak RSS to the current RSS
-        except OSError:
-            self._can_reset_rss = False
+    def _rss_fds(self) -> tuple[int, int, int] | None:
+        """/proc/self files kept open (reopened in a forked child: /proc/self
+        is resolved when opened)."""
+        pid = os.getpid()
+        if self._fds is None or self._fds[0] != pid:
+            try:
+                self._fds = (pid, os.open("/proc/self/clear_refs", os.O_WRONLY),
+                             os.open("/proc/self/status", os.O_RDONLY))
+            except OSError:
+                return None
+        return self._fds
 
     def stop(self) -> int:
         if self.source == "cuda":
             return int(torch.cuda.max_memory_allocated(self._device))
         if self.source == "arena":
             return int(_C.arena_stats()["allocated_bytes.peak"])
-        if self.source == "rss":
+        fds = self._rss_fds() if self.source == "rss" else None
+        if fds is not None:
             try:
-                with open("/proc/self/status", "rb") as f:
-                    for line in f:
-                        if line.startswith(b"VmHWM:"):
-                            return int(line.split()[1]) * 1024
-            except OSError:
+                text = os.pread(fds[2], 8192, 0)
+                at = text.find(b"VmHWM:")
+                if at >= 0:
+                    return int(text[at + 6:text.index(b"kB", at)]) * 1024
+            except (OSError, ValueError):
                 pass
         return 0
 
@@ -271,8 +280,9 @@ class Guard:
         self._own_sampler = False
         self.gc = GcHooks(min_interval_s=gc_interval_s, on_event=self._event)
         self._peak = _PeakMeter()
-        self._level_lock = threading.Lock()   # guards _max_raw
+        self._level_lock = threading.Lock()   # guards _max_raw and _level
         self._max_raw = Level.OK              # highest raw level since the last step boundary
+        self._level = Level.OK                # level of the newest sample
         self._installed = False
         self._allocator_installed_here = False
         self.allocator_error: str | None = None
@@ -357,6 +367,7 @@ class Guard:
     def _on_sample(self, s: Any) -> None:
         with self._level_lock:
             self._max_raw = max(self._max_raw, s.raw_level)
+            self._level = s.level
 
     def _boundary_level(self) -> int:
         """The level a step boundary acts on. Shrinking needs a sample of
@@ -364,15 +375,12 @@ class Guard:
         hysteresis: a step already shrunk is not shrunk again for pressure
         it no longer causes); while the hysteresis level stays up the size
         holds (ELEVATED); growth waits for a calm level."""
-        if self.sampler is None:
-            return int(Level.OK)
-        s = self.sampler.latest()
         with self._level_lock:
-            raw = max(self._max_raw, s.raw_level if s is not None else Level.OK)
+            raw, level = self._max_raw, self._level
             self._max_raw = Level.OK
         if raw >= Level.HIGH:
             return int(raw)
-        if s is not None and s.level >= Level.ELEVATED:
+        if level >= Level.ELEVATED:
             return int(Level.ELEVATED)
         return int(raw)
 
@@ -451,7 +459,7 @@ class Guard:
             # out of the except block: the failed attempt's frames are gone
             acc.reset()
             snapshot.restore()
-            self.gc.relieve("oom", force=True, collect=True)
+            self.gc.relieve_oom()
             self.ooms_recovered += 1
             self.micro_batch_changes += 1
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
@@ -551,7 +559,7 @@ class Guard:
                     outs.append(_batch.detach(out))
                     start = stop
                     continue
-                self.gc.relieve("oom", force=True, collect=True)
+                self.gc.relieve_oom()
                 self.ooms_recovered += 1
                 micro = int(nxt)
         return _batch.concat(outs)
