@@ -591,3 +591,27 @@ def test_infer_gives_up_at_the_smallest_size():
     with guard.evaluate(), pytest.raises(GuardOOMError, match=r"\(4, 2; min_micro_batch=2\)"):
         guard.infer(torch.zeros(BATCH, 3), fn)
     assert calls == [4, 2]
+
+
+def test_decisions_and_recoveries_go_to_telemetry(tmp_path):
+    from memguard.telemetry import read_jsonl
+
+    m = Moco()
+    path = tmp_path / "guard.jsonl"
+    with Guard(budget=None, allocator=False, telemetry=path, interval_ms=20) as guard:
+        for step, x in enumerate(_xs(3)):
+            if step == 1:
+                m.fail_at = {m.calls}
+            guard.step(x, m.loss_fn, m.opt, post_step=m.queue.enqueue)
+    _, samples, events = read_jsonl(path)
+    assert samples, "the sampler's samples are exported beside the guard's events"
+    steps = [e for e in events if e["event"] == "step"]
+    assert [(e["step"], e["micro_batch"], e["retries"]) for e in steps] == \
+        [(0, BATCH, 0), (1, BATCH // 2, 1), (2, BATCH // 2, 0)]
+    assert [(e["action"], e["reason"]) for e in steps] == \
+        [("hold", "start"), ("shrink", "oom"), ("hold", "calm")]
+    assert all(e["peak_bytes"] > 0 for e in steps)
+    rec = [e for e in events if e["event"] == "oom_recovered"]
+    assert [(e["step"], e["failed_micro_batch"], e["micro_batch"]) for e in rec] == \
+        [(1, BATCH, BATCH // 2)]
+    assert any(e["event"] == "relieve" and e["reason"] == "oom" for e in events)

@@ -36,6 +36,8 @@ int mg_planner_opts_check(const mg_planner_opts_t *o)
     return EINVAL;
 }
 
+static uint64_t next_up(const mg_planner_t *p, uint64_t x);
+
 int mg_planner_init(mg_planner_t *p, const mg_planner_opts_t *o, uint64_t micro)
 {
     int rc = mg_planner_opts_check(o);
@@ -43,6 +45,10 @@ int mg_planner_init(mg_planner_t *p, const mg_planner_opts_t *o, uint64_t micro)
         return rc;
     memset(p, 0, sizeof(*p));
     p->opts = *o;
+    if (micro && !allowed(o, micro)) { /* no batch seen yet: the constraints alone */
+        uint64_t s;
+        micro = mg_planner_fit(p, micro, &s) == 0 ? s : next_up(p, micro);
+    }
     p->micro = micro;
     p->last.reason = MG_PLAN_R_START;
     return 0;

@@ -465,6 +465,8 @@ class Guard:
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
                         micro_batch=int(nxt))
             micro = int(nxt)
+        if tried:
+            plan = self._planner.state()    # the step's decision was the OOM's
         n_micro = acc.micro_batches
         weight = acc.weight
         loss = acc.step()
