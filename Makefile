@@ -32,8 +32,10 @@ demo: build
 	$(PY) -m memguard demo
 
 bench: build
+	$(PY) -m pip install -q accelerate || echo "accelerate not installed: bench_throttle leaves out its column"
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/bench_cpu_allocator.py
+	$(PY) benchmarks/bench_throttle.py
 
 # Optional system packages: jemalloc for `memguard run` (its tests skip without it).
 system-deps:

@@ -131,7 +131,8 @@ def work_constrained(mode: str, steps: int) -> dict:
     data = dataset(steps)
     memguard.allocator.set_budget(budget or None)
     res = {"mode": mode, "budget_bytes": budget, "steps_planned": steps, "steps_done": 0,
-           "steps_lost": 0, "restarts": 0, "batch": BATCH, "samples": 0, "failed": None}
+           "steps_lost": 0, "restarts": 0, "batch": BATCH, "samples": 0, "failed": None,
+           "seconds": 1.0, "peak_bytes": 0}
     t0 = time.perf_counter()
     if mode in ("unconstrained", "plain"):
         try:
@@ -144,7 +145,11 @@ def work_constrained(mode: str, steps: int) -> dict:
                 raise
             res["failed"] = f"out of memory at step {res['steps_done']}"
     elif mode == "accelerate":
-        from accelerate.utils import find_executable_batch_size
+        try:
+            from accelerate.utils import find_executable_batch_size
+        except ImportError:
+            res["failed"] = "accelerate is not installed"
+            return res
 
         progress = {"done": 0}
 
@@ -268,10 +273,11 @@ def main() -> None:
     for m, rs in runs.items():
         r = rs[-1]
         thr = statistics.median(x["samples"] / x["seconds"] for x in rs) / base
+        shown = f"{thr:>11.2f}x" if r["failed"] is None else f"{'-':>12}"
         note = r["failed"] or (f"micro-batches {r['micro_batches']}, "
                                f"{r['ooms_recovered']} OOMs recovered" if m == "memguard" else "")
         print(f"   {m:14}{r['steps_done']:>6}{r['steps_lost']:>6}{r['restarts']:>9}"
-              f"{r['batch']:>7}{thr:>11.2f}x{r['peak_bytes'] / 2**20:>10.0f}  {note}")
+              f"{r['batch']:>7}{shown}{r['peak_bytes'] / 2**20:>10.0f}  {note}")
     mg = statistics.median(x["samples"] / x["seconds"] for x in runs["memguard"]) / base
     print(f"   memguard throughput {mg:.2f}x unconstrained (target >= 0.7)\n")
 
