@@ -221,7 +221,7 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         p->micro = mg_planner_fit(p, p->micro, &s) == 0 ? s : next_up(p, p->micro);
     }
 
-    if (p->step == 0) {
+    if (p->step == 0 && (level < MG_LEVEL_HIGH || p->opts.fixed)) {
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_START, p->micro);
     } else if (p->opts.fixed) {
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_FIXED, p->micro);

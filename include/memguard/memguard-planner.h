@@ -31,7 +31,7 @@ typedef enum mg_plan_action {
 
 /** Why; mg_plan_reason_name() gives the word telemetry uses. */
 typedef enum mg_plan_reason {
-    MG_PLAN_R_START = 0,    /**< first step: the starting size */
+    MG_PLAN_R_START = 0,    /**< first step: the starting size (shrunk at once under HIGH) */
     MG_PLAN_R_CALM,         /**< nothing to do (calm, counting towards a grow) */
     MG_PLAN_R_ELEVATED,     /**< held: pressure ELEVATED */
     MG_PLAN_R_HIGH,         /**< shrunk: pressure HIGH */

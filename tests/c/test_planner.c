@@ -232,10 +232,23 @@ static void test_start(void)
     p = planner(opts(), 8);
     CHECK_EQ(begin(&p, 32, OK), 8);
     CHECK_LAST(&p, "hold", "start", 8, 8);
-    /* pressure at the first boundary: the first step runs at the start size */
+    /* pressure at the first boundary: a run started under pressure shrinks
+     * at once (HIGH halves, CRITICAL quarters); ELEVATED holds the start */
     p = planner(opts(), 0);
-    CHECK_EQ(begin(&p, 32, CRIT), 32);
+    CHECK_EQ(begin(&p, 32, CRIT), 8);
+    CHECK_LAST(&p, "shrink", "critical", 32, 8);
+    p = planner(opts(), 0);
+    CHECK_EQ(begin(&p, 32, HIGH), 16);
+    CHECK_LAST(&p, "shrink", "high", 32, 16);
+    p = planner(opts(), 0);
+    CHECK_EQ(begin(&p, 32, ELEV), 32);
     CHECK_LAST(&p, "hold", "start", 32, 32);
+    /* a fixed size starts as given whatever the pressure */
+    mg_planner_opts_t fo = opts();
+    fo.fixed = 1;
+    p = planner(fo, 8);
+    CHECK_EQ(begin(&p, 32, CRIT), 8);
+    CHECK_LAST(&p, "hold", "start", 8, 8);
     /* a start above the batch is the batch */
     p = planner(opts(), 64);
     CHECK_EQ(begin(&p, 32, OK), 32);
