@@ -615,3 +615,27 @@ def test_decisions_and_recoveries_go_to_telemetry(tmp_path):
     assert [(e["step"], e["failed_micro_batch"], e["micro_batch"]) for e in rec] == \
         [(1, BATCH, BATCH // 2)]
     assert any(e["event"] == "relieve" and e["reason"] == "oom" for e in events)
+
+
+def test_a_recovered_step_reports_the_retry_peak_not_the_failed_attempt():
+    """The planner learns peak bytes per size; the failed attempt's peak at
+    the larger size must not be booked against the smaller one."""
+    m = Moco()
+    x = _xs(1)[0]
+    ref = Guard(budget=None, micro_batch=BATCH // 2, allocator=False)
+    ref_peak = ref.step(x, Moco().loss_fn, Moco().opt).peak_bytes
+    guard = Guard(budget=None, allocator=False)
+    failed = []
+
+    def loss_fn(micro):
+        if not failed:   # the first attempt touches 64 MiB more, then fails
+            failed.append(True)
+            hog = torch.ones(16 << 20)   # noqa: F841 - freed with the failed frame
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 1 bytes")
+        return m.loss_fn(micro)
+
+    res = guard.step(x, loss_fn, m.opt)
+    assert res.retries == 1 and res.micro_batch == BATCH // 2
+    assert guard.peak_source == ref.peak_source
+    assert res.peak_bytes < ref_peak + (32 << 20)

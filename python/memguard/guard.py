@@ -460,6 +460,7 @@ class Guard:
             acc.reset()
             snapshot.restore()
             self.gc.relieve_oom()
+            self._peak.start(batch)   # the peak the planner learns is the retry's
             self.ooms_recovered += 1
             self.micro_batch_changes += 1
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
