@@ -32,6 +32,10 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    if name == "checkpoint":             # the submodule, loaded on first use
+        import importlib
+
+        return importlib.import_module("memguard.checkpoint")
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'memguard' has no attribute {name!r}")
@@ -52,6 +56,7 @@ __all__ = [
     "Sampler",
     "StepResult",
     "accumulate",
+    "checkpoint",
     "allocator",
     "configure",
     "install",
