@@ -59,7 +59,7 @@ class Checkpoints:
     def set(self, n: int) -> int:
         """Checkpoint the first ``n`` blocks (clamped to 0..len); returns n."""
         if isinstance(n, bool) or not isinstance(n, int):
-            raise ValueError(f"the number of checkpointed blocks must be an int, not {n!r}")
+            raise TypeError(f"the number of checkpointed blocks must be an int, not {n!r}")
         n = max(0, min(n, len(self)))
         for i, s in enumerate(self._switches):
             s.on = i < n
