@@ -133,3 +133,47 @@ def test_peak_memory_falls_as_more_blocks_are_checkpointed(vit):
         assert peaks[DEPTH] < 0.5 * peaks[0]
     finally:
         memguard.uninstall()
+
+
+def _levels_then_steps(guard, vit, opt, levels):
+    """One step per level, each after a sample at that level (what the
+    sampler's on_sample callback hands the guard)."""
+    import types
+
+    x = torch.randn(8, 4, DIM)
+    out = []
+    for lv in levels:
+        guard._on_sample(types.SimpleNamespace(level=lv, raw_level=lv))
+        res = guard.step(x, lambda b: vit(b).pow(2).mean(), opt)
+        out.append((res.micro_batch, guard.checkpoints.n_on))
+    return out
+
+
+def test_escalation_ladder_and_de_escalation(vit):
+    """Shrink to the minimum first, then checkpoint more blocks while HIGH
+    stays; on_critical once when nothing is left; when calm, switch the
+    checkpoints off before the micro-batch grows again."""
+    from memguard.telemetry import Level
+
+    calls = []
+    opt = torch.optim.SGD(vit.parameters(), lr=1e-3)
+    guard = memguard.Guard(budget=None, allocator=False, min_micro_batch=2, grow_after=2,
+                           checkpoint=vit.blocks, on_critical=calls.append)
+    ok, high, crit = Level.OK, Level.HIGH, Level.CRITICAL
+    levels = [ok, high, high, high, high, crit, crit, crit, crit, crit, ok, crit, ok,
+              ok, ok, ok, ok, ok, ok, ok, ok, ok, ok, ok, ok, ok]
+    got = _levels_then_steps(guard, vit, opt, levels)
+    want = [
+        (8, 0),                       # start
+        (4, 0), (2, 0),               # HIGH: shrink to the minimum first
+        (2, 1), (2, 2),               # still HIGH at the minimum: checkpoint more
+        (2, 3), (2, 4), (2, 5), (2, 6),   # CRITICAL: the rest, one block (6 // 4) a step
+        (2, 6),                       # nothing left: on_critical
+        (2, 6), (2, 6),               # OK, then CRITICAL again: a new episode
+        (2, 6), (2, 5), (2, 5), (2, 4), (2, 4), (2, 3), (2, 3), (2, 2), (2, 2), (2, 1),
+        (2, 1), (2, 0),               # calm: checkpoints off first, one every 2 calm steps
+        (2, 0), (4, 0),               # then the planner's own 2 calm steps and a grow
+    ]
+    assert got == want
+    assert calls == [guard, guard]    # once per CRITICAL episode, the run alive
+    assert guard.summary()["checkpointed_blocks"] == 0

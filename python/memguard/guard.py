@@ -33,6 +33,8 @@ import torch
 from memguard import _C, _batch, allocator
 from memguard.accumulation import Accumulator
 from memguard.budget import parse_budget
+from memguard.checkpoint import Checkpoints
+from memguard.checkpoint import wrap as wrap_checkpoints
 from memguard.gc_hooks import GcHooks
 from memguard.telemetry import JsonlExporter, Level, PressureEvent, Sampler, open_exporter
 
@@ -221,6 +223,16 @@ class Guard:
         retry_after: calm steps before a size that failed is tried again (=64).
         margin: growth keeps the predicted peak under budget*(1-margin) (=0.1).
         gc_interval_s: the least time between two pressure reliefs (=10).
+        checkpoint: blocks to checkpoint when shrinking is not enough (a
+            ``ModuleList`` such as a ViT's ``blocks``, or what
+            :func:`memguard.checkpoint.wrap` returned): at the smallest
+            micro-batch and still HIGH, a quarter more of them is
+            checkpointed each step; once calm again they are switched off,
+            a quarter every ``grow_after`` calm steps, before the
+            micro-batch grows.
+        on_critical: called as ``on_critical(guard)`` at a step boundary,
+            once per CRITICAL episode, when there is nothing left to shrink
+            or checkpoint (save a training checkpoint there).
         sampler: a :class:`memguard.Sampler` to take pressure levels from
             instead of starting one (it is started, and stopped on
             :meth:`uninstall` only if the guard started it).
@@ -234,7 +246,9 @@ class Guard:
                  telemetry: Any = None, model: torch.nn.Module | None = None,
                  allocator: bool = True, interval_ms: float | None = None,
                  grow_after: int = 8, retry_after: int = 64, margin: float = 0.1,
-                 gc_interval_s: float = 10.0, sampler: Sampler | None = None) -> None:
+                 gc_interval_s: float = 10.0, sampler: Sampler | None = None,
+                 checkpoint: Any = None,
+                 on_critical: Callable[[Guard], Any] | None = None) -> None:
         def positive_int(name: str, v: Any) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, not {v!r}")
@@ -270,6 +284,14 @@ class Guard:
                              f"{min_micro_batch}, multiple_of={multiple_of}, "
                              f"divisor_of={divisor_of}")
         self._planner_budget = self.budget_bytes
+        self.checkpoints: Checkpoints | None = None
+        if checkpoint is not None:
+            self.checkpoints = checkpoint if isinstance(checkpoint, Checkpoints) \
+                else wrap_checkpoints(checkpoint)
+        self.on_critical = on_critical
+        self._grow_after = grow_after
+        self._ckpt_calm = 0           # calm boundaries since the last checkpoint change
+        self._critical_fired = False  # on_critical ran in this CRITICAL episode
         self._want_allocator = allocator
         self._interval_ms = interval_ms
         self._telemetry_arg = telemetry
@@ -433,8 +455,10 @@ class Guard:
         n = _batch.batch_size(batch)
         self._peak.start(batch)
         self._sync_budget()
-        micro = int(self._planner.begin(n, self._boundary_level()))
+        level = self._boundary_level()
+        micro = int(self._planner.begin(n, self._checkpoint_hold(level)))
         plan = self._planner.state()
+        self._escalate(level, plan)
         if plan["action"] != "hold":
             self.micro_batch_changes += 1
         snapshot = _Snapshot(restore)
@@ -485,6 +509,39 @@ class Guard:
                     action=plan["action"], reason=plan["reason"])
         self.steps += 1
         return res
+
+    def _checkpoint_hold(self, level: int) -> int:
+        """De-escalation comes first: while blocks are checkpointed a calm
+        level switches a quarter of them off every grow_after steps, and the
+        planner holds the size (it sees ELEVATED) until none is left."""
+        ck = self.checkpoints
+        if ck is None or not ck.n_on or level != Level.OK:
+            self._ckpt_calm = 0
+            return level
+        self._ckpt_calm += 1
+        if self._ckpt_calm >= self._grow_after:
+            self._ckpt_calm = 0
+            ck.fewer(max(1, len(ck) // 4))
+            self._event("checkpoint", step=self.steps, blocks=ck.n_on, reason="calm")
+        return int(Level.ELEVATED)
+
+    def _escalate(self, level: int, plan: dict) -> None:
+        """At the smallest micro-batch and still HIGH: checkpoint more
+        blocks; at CRITICAL with nothing left, call on_critical once."""
+        if level < Level.CRITICAL:
+            self._critical_fired = False
+        if level < Level.HIGH or plan["reason"] != "at_min":
+            return
+        ck = self.checkpoints
+        if ck is not None and ck.n_on < len(ck):
+            ck.more(max(1, len(ck) // 4))
+            self._event("checkpoint", step=self.steps, blocks=ck.n_on,
+                        reason=Level(level).name.lower())
+        elif level >= Level.CRITICAL and not self._critical_fired:
+            self._critical_fired = True
+            self._event("critical", step=self.steps)
+            if self.on_critical is not None:
+                self.on_critical(self)
 
     def _sync_budget(self) -> None:
         """Growth is checked against the budget of what the peaks measure:
@@ -577,6 +634,7 @@ class Guard:
             "ooms_recovered": self.ooms_recovered,
             "peak_bytes": self.peak_bytes,
             "peak_source": self.peak_source,
+            "checkpointed_blocks": self.checkpoints.n_on if self.checkpoints else 0,
             "budget_bytes": self.budget_bytes,
             "gc": self.gc.stats.to_dict(),
             "plan": self.plan(),
