@@ -28,6 +28,8 @@ _LAZY = {
     "StepResult": "memguard.guard",
     "Accumulator": "memguard.accumulation",
     "accumulate": "memguard.accumulation",
+    "BatchSizeResult": "memguard.finder",
+    "find_batch_size": "memguard.finder",
 }
 
 
@@ -47,6 +49,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Accumulator",
+    "BatchSizeResult",
     "Guard",
     "GuardOOMError",
     "Level",
@@ -59,6 +62,7 @@ __all__ = [
     "allocator",
     "checkpoint",
     "configure",
+    "find_batch_size",
     "install",
     "installed",
     "is_oom",

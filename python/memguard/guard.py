@@ -147,8 +147,9 @@ class _PeakMeter:
     when it serves tensors, CUDA's allocator for CUDA batches, else the
     process's peak RSS (``VmHWM``, reset through ``clear_refs``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena_key: str = "allocated_bytes.peak") -> None:
         self.source = "none"
+        self._arena_key = arena_key
         self._fds: tuple[int, int, int] | None = None   # (pid, clear_refs, status)
 
     def start(self, batch: Any) -> None:
@@ -186,7 +187,7 @@ class _PeakMeter:
         if self.source == "cuda":
             return int(torch.cuda.max_memory_allocated(self._device))
         if self.source == "arena":
-            return int(_C.arena_stats()["allocated_bytes.peak"])
+            return int(_C.arena_stats()[self._arena_key])
         fds = self._rss_fds() if self.source == "rss" else None
         if fds is not None:
             try:
