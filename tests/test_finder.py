@@ -44,7 +44,7 @@ def peak_of(step, size: int) -> int:
 def true_largest(step, limit: float, rule=lambda s: True, hi: int = 1 << 11) -> int:
     """Largest allowed size whose measured peak fits, by bisection over real
     steps."""
-    lo, hi = 0, hi
+    lo = 0
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if peak_of(step, mid) <= limit:
