@@ -91,6 +91,14 @@ class Accumulator:
         term = loss.detach().float() * w
         self._loss = term if self._loss is None else self._loss + term
 
+    def add_whole_batch(self, loss: float, micro_batches: int) -> None:
+        """Record gradients of the whole batch's loss accumulated elsewhere
+        (GradCache): :meth:`step` then neither divides nor rescales them."""
+        self.total_weight = None
+        self.weight = 1.0
+        self.micro_batches += micro_batches
+        self._loss = torch.tensor(float(loss))
+
     @property
     def loss(self) -> float:
         """The step's mean loss so far (weighted like its gradients)."""

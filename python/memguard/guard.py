@@ -36,6 +36,7 @@ from memguard.budget import parse_budget
 from memguard.checkpoint import Checkpoints
 from memguard.checkpoint import wrap as wrap_checkpoints
 from memguard.gc_hooks import GcHooks
+from memguard.gradcache import gradcache_backward
 from memguard.telemetry import JsonlExporter, Level, PressureEvent, Sampler, open_exporter
 
 
@@ -430,6 +431,7 @@ class Guard:
     def step(self, batch: Any, loss_fn: Callable[[Any], Any], optimizer: torch.optim.Optimizer,
              scaler: Any = None, clip_grad_norm: float | None = None,
              post_step: Callable[[Any], Any] | None = None, restore: Any = (),
+             mode: str = "accumulate", embed_fn: Callable[[Any], Any] | None = None,
              ) -> StepResult:
         """One optimizer step over ``batch``, micro-batched as planned.
 
@@ -446,6 +448,14 @@ class Guard:
             restore: modules (their buffers), tensors or objects with
                 ``state_dict`` that the forward pass changes, restored
                 before a step is redone.
+            mode: ``"accumulate"`` (each micro-batch's loss on its own), or
+                ``"gradcache"`` for losses that need the whole batch
+                (in-batch negatives): ``embed_fn(micro)`` embeds each
+                micro-batch without a graph, ``loss_fn(embeddings)`` takes
+                the whole batch's embeddings, and the micro-batches are
+                replayed with the cached embedding gradients (see
+                :mod:`memguard.gradcache`); ``aux`` is the embeddings.
+            embed_fn: the embedding function of ``"gradcache"`` mode.
 
         Returns:
             A :class:`StepResult`.
@@ -453,6 +463,10 @@ class Guard:
         Raises:
             GuardOOMError: out of memory at the smallest allowed size.
         """
+        if mode not in ("accumulate", "gradcache"):
+            raise ValueError(f"mode must be 'accumulate' or 'gradcache', not {mode!r}")
+        if (mode == "gradcache") != (embed_fn is not None):
+            raise ValueError("mode='gradcache' takes an embed_fn, and only it does")
         n = _batch.batch_size(batch)
         self._peak.start(batch)
         self._sync_budget()
@@ -468,7 +482,13 @@ class Guard:
         optimizer.zero_grad(set_to_none=True)
         while True:
             try:
-                aux = self._attempt(batch, n, micro, loss_fn, acc)
+                if embed_fn is not None:
+                    loss_value, emb = gradcache_backward(batch, n, micro, embed_fn, loss_fn,
+                                                         scaler, model=self.model)
+                    acc.add_whole_batch(loss_value, -(-n // micro))
+                    aux = [emb]
+                else:
+                    aux = self._attempt(batch, n, micro, loss_fn, acc)
                 break
             except Exception as exc:
                 if not allocator.is_oom(exc):
