@@ -69,16 +69,32 @@ static PyObject *Planner_begin(PlannerObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(micro);
 }
 
+/* A size argument: 0, or -1 with an exception set. */
+static int size_arg(PyObject *arg, uint64_t *out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* The planner's answer, or None where it had none (rc != 0). */
+static PyObject *size_or_none(int rc, uint64_t v)
+{
+    if (rc)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(v);
+}
+
 /* oom(micro) -> size to retry at, or None when nothing smaller is allowed */
 static PyObject *Planner_oom(PlannerObject *self, PyObject *arg)
 {
-    unsigned long long micro = PyLong_AsUnsignedLongLong(arg);
-    uint64_t next;
-    if (PyErr_Occurred())
+    uint64_t micro, next = 0;
+    if (size_arg(arg, &micro))
         return NULL;
-    if (mg_planner_oom(&self->p, micro, &next))
-        Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(next);
+    int rc = mg_planner_oom(&self->p, micro, &next); /* before next is read */
+    return size_or_none(rc, next);
 }
 
 static PyObject *Planner_end(PlannerObject *self, PyObject *args)
@@ -92,30 +108,26 @@ static PyObject *Planner_end(PlannerObject *self, PyObject *args)
 
 static PyObject *Planner_predict(PlannerObject *self, PyObject *arg)
 {
-    unsigned long long micro = PyLong_AsUnsignedLongLong(arg);
-    uint64_t bytes;
-    if (PyErr_Occurred())
+    uint64_t micro, bytes = 0;
+    if (size_arg(arg, &micro))
         return NULL;
-    if (mg_planner_predict(&self->p, micro, &bytes))
-        Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(bytes);
+    int rc = mg_planner_predict(&self->p, micro, &bytes); /* before bytes is read */
+    return size_or_none(rc, bytes);
 }
 
 static PyObject *Planner_fit(PlannerObject *self, PyObject *arg)
 {
-    unsigned long long x = PyLong_AsUnsignedLongLong(arg);
-    uint64_t s;
-    if (PyErr_Occurred())
+    uint64_t x, s = 0;
+    if (size_arg(arg, &x))
         return NULL;
-    if (mg_planner_fit(&self->p, x, &s))
-        Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(s);
+    int rc = mg_planner_fit(&self->p, x, &s); /* before s is read */
+    return size_or_none(rc, s);
 }
 
 static PyObject *Planner_set_budget(PlannerObject *self, PyObject *arg)
 {
-    unsigned long long b = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
+    uint64_t b;
+    if (size_arg(arg, &b))
         return NULL;
     self->p.opts.budget_bytes = b;
     Py_RETURN_NONE;

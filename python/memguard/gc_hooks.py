@@ -105,17 +105,10 @@ class GcHooks:
         faulting it in again."""
         t0 = time.perf_counter()
         done: dict[str, Any] = {"reason": "oom", "gc_collected": gc.collect(1)}
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-            done["cuda_empty_cache"] = True
-        done["seconds"] = time.perf_counter() - t0
+        _empty_cuda_cache(done)
         with self._lock:
-            self.stats.reliefs += 1
-            self.stats.relief_seconds += done["seconds"]
-        if self.on_event is not None:
-            self.on_event("relieve", done)
-        return done
+            self._count(done, t0)
+        return self._report(done)
 
     def relieve(self, reason: str = "pressure", *, force: bool = False,
                 collect: bool | None = None) -> dict | None:
@@ -142,15 +135,27 @@ class GcHooks:
                 done["gc_collected"] = gc.collect()
             done["system_trim"] = _C.system_trim()
             done["arena_released_bytes"] = _C.arena_trim(0)
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
-                done["cuda_empty_cache"] = True
-            done["seconds"] = time.perf_counter() - t0
-            s = self.stats
-            s.reliefs += 1
-            s.relief_seconds += done["seconds"]
-            s.released_bytes += done["arena_released_bytes"]
+            _empty_cuda_cache(done)
+            self._count(done, t0)
+        return self._report(done)
+
+    def _count(self, done: dict[str, Any], t0: float) -> None:
+        """Book one relief in the stats (self._lock held)."""
+        done["seconds"] = time.perf_counter() - t0
+        s = self.stats
+        s.reliefs += 1
+        s.relief_seconds += done["seconds"]
+        s.released_bytes += done.get("arena_released_bytes", 0)
+
+    def _report(self, done: dict[str, Any]) -> dict[str, Any]:
         if self.on_event is not None:
             self.on_event("relieve", done)
         return done
+
+
+def _empty_cuda_cache(done: dict[str, Any]) -> None:
+    """``torch.cuda.empty_cache()`` where CUDA is in use (never initialises it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        done["cuda_empty_cache"] = True
