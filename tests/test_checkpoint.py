@@ -177,3 +177,50 @@ def test_escalation_ladder_and_de_escalation(vit):
     assert got == want
     assert calls == [guard, guard]    # once per CRITICAL episode, the run alive
     assert guard.summary()["checkpointed_blocks"] == 0
+
+
+def test_ladder_on_a_replayed_swap_storm(vit):
+    """A recorded laptop swap storm (tests/fixtures/traces/swap_storm.jsonl),
+    replayed sample by sample through the sampler's own pressure model into
+    a guard, one step per sample: the micro-batch shrinks to its minimum
+    before any block is checkpointed; blocks are checkpointed only at HIGH
+    or above; on_critical runs once, when nothing is left; once calm, every
+    checkpoint is switched off before the micro-batch grows back."""
+    import types
+
+    from memguard import _C
+    from memguard.telemetry import Level, Sample, read_jsonl
+    from tests.conftest import FIXTURES
+
+    _, samples, _ = read_jsonl(FIXTURES / "traces" / "swap_storm.jsonl")
+    model = _C.PressureModel(pressure=None)
+    replayed = []
+    for s in samples:
+        d = s.to_dict()
+        d.pop("level"), d.pop("raw_level")
+        replayed.append(Sample.from_dict(model.update(d)))
+    assert max(s.level for s in replayed) == Level.CRITICAL   # the trace is a storm
+
+    calls = []
+    opt = torch.optim.SGD(vit.parameters(), lr=1e-3)
+    guard = memguard.Guard(budget=None, allocator=False, min_micro_batch=2, grow_after=2,
+                           checkpoint=vit.blocks, on_critical=calls.append)
+    x = torch.randn(8, 4, DIM)
+    got = []
+    for s in replayed:
+        guard._on_sample(types.SimpleNamespace(level=s.level, raw_level=s.raw_level))
+        res = guard.step(x, lambda b: vit(b).pow(2).mean(), opt)
+        got.append((int(s.raw_level), res.micro_batch, guard.checkpoints.n_on))
+
+    micro = [m for _, m, _ in got]
+    n_on = [c for _, _, c in got]
+    first_ckpt = n_on.index(1)
+    assert micro[first_ckpt - 1] == 2 and set(micro[first_ckpt:n_on.index(DEPTH)]) == {2}
+    for i in range(1, len(got)):
+        if n_on[i] > n_on[i - 1]:
+            assert got[i][0] >= Level.HIGH, got[i]    # escalation only under pressure
+    assert max(n_on) == DEPTH
+    assert calls == [guard]                           # one CRITICAL episode, the run alive
+    first_grow = next(i for i in range(first_ckpt, len(got)) if micro[i] > micro[i - 1])
+    assert n_on[first_grow - 1] == 0 and all(c == 0 for c in n_on[first_grow:])
+    assert micro[-1] == 8 and n_on[-1] == 0           # back to full speed

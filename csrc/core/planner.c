@@ -267,6 +267,23 @@ int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next)
     return rc;
 }
 
+int mg_planner_agree(mg_planner_t *p, uint64_t micro, uint64_t failed)
+{
+    if (micro == 0)
+        return EINVAL;
+    if (failed) {
+        p->calm = 0;
+        p->calm_since_fail = 0;
+        if (p->failed == 0 || failed < p->failed)
+            p->failed = failed;
+    }
+    if (micro != p->micro) {
+        decide(p, micro < p->micro ? MG_PLAN_SHRINK : MG_PLAN_GROW, MG_PLAN_R_PEER, micro);
+        p->last.step = p->step ? p->step - 1 : 0; /* the step under way */
+    }
+    return 0;
+}
+
 void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes)
 {
     if (micro == 0 || peak_bytes == 0)
@@ -289,7 +306,7 @@ const char *mg_plan_reason_name(int reason)
 {
     static const char *const names[MG_PLAN_R_COUNT] = {
         "start", "calm", "elevated", "high", "critical", "oom", "at_min",
-        "at_full", "grow", "model", "failed", "fixed",
+        "at_full", "grow", "model", "failed", "fixed", "peer",
     };
     return reason >= 0 && reason < MG_PLAN_R_COUNT ? names[reason] : "?";
 }

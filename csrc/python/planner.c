@@ -97,6 +97,19 @@ static PyObject *Planner_oom(PlannerObject *self, PyObject *arg)
     return size_or_none(rc, next);
 }
 
+static PyObject *Planner_agree(PlannerObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"micro", "failed", NULL};
+    unsigned long long micro, failed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|K", kwlist, &micro, &failed))
+        return NULL;
+    if (mg_planner_agree(&self->p, micro, failed)) {
+        PyErr_SetString(PyExc_ValueError, "agree: the agreed micro-batch size must be positive");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Planner_end(PlannerObject *self, PyObject *args)
 {
     unsigned long long micro, peak;
@@ -153,6 +166,8 @@ static PyMethodDef Planner_methods[] = {
      "begin(batch, level) -> micro-batch size for this step"},
     {"oom", (PyCFunction)Planner_oom, METH_O,
      "oom(micro) -> smaller size to redo the step at, or None at the minimum"},
+    {"agree", (PyCFunction)(void (*)(void))Planner_agree, METH_VARARGS | METH_KEYWORDS,
+     "agree(micro, failed=0): adopt the size the ranks agreed on; failed: a peer's OOM size"},
     {"end", (PyCFunction)Planner_end, METH_VARARGS, "end(micro, peak_bytes): step finished"},
     {"predict", (PyCFunction)Planner_predict, METH_O,
      "predict(micro) -> predicted peak bytes, or None before any observation"},

@@ -43,6 +43,7 @@ typedef enum mg_plan_reason {
     MG_PLAN_R_MODEL,        /**< growth held: predicted peak passes budget - margin */
     MG_PLAN_R_FAILED,       /**< growth held: a larger size failed recently */
     MG_PLAN_R_FIXED,        /**< fixed size: pressure does not change it */
+    MG_PLAN_R_PEER,         /**< set to the size the ranks of a group agreed on */
     MG_PLAN_R_COUNT
 } mg_plan_reason_t;
 
@@ -106,6 +107,15 @@ MG_API int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t
  *         smaller is allowed (the caller gives up).
  */
 MG_API int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next);
+
+/**
+ * Adopt @p micro, the size the ranks of a process group agreed on (the
+ * smallest of their proposals), in place of this planner's own. @p failed,
+ * when not 0, is a size that ran out of memory on another rank: growth
+ * treats it as one that failed here.
+ * @return 0, or EINVAL for a size of 0.
+ */
+MG_API int mg_planner_agree(mg_planner_t *p, uint64_t micro, uint64_t failed);
 
 /** The step finished at @p micro with @p peak_bytes at its peak (0: unknown). */
 MG_API void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes);

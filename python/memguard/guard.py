@@ -35,6 +35,7 @@ from memguard.accumulation import Accumulator
 from memguard.budget import parse_budget
 from memguard.checkpoint import Checkpoints
 from memguard.checkpoint import wrap as wrap_checkpoints
+from memguard.distributed import PeerOOM, Peers
 from memguard.gc_hooks import GcHooks
 from memguard.gradcache import gradcache_backward
 from memguard.telemetry import JsonlExporter, Level, PressureEvent, Sampler, open_exporter
@@ -238,6 +239,16 @@ class Guard:
         sampler: a :class:`memguard.Sampler` to take pressure levels from
             instead of starting one (it is started, and stopped on
             :meth:`uninstall` only if the guard started it).
+        process_group: under ``torch.distributed`` with more than one
+            rank, the ranks that agree on one plan (the DDP model's group,
+            or the default one): every rank steps at the smallest size any
+            rank proposes, and an out-of-memory error on one rank makes
+            every rank redo the step (see :mod:`memguard.distributed`).
+        ddp_overlap: with a DDP ``model``, let DDP synchronise the last
+            micro-batch's backward itself, overlapping communication with
+            computation; an out-of-memory error inside that backward is
+            then not recoverable. By default gradients are all-reduced after
+            every rank has finished its backward passes.
 
     Raises:
         ValueError: a bad budget, size or constraint, naming the value.
@@ -250,7 +261,8 @@ class Guard:
                  grow_after: int = 8, retry_after: int = 64, margin: float = 0.1,
                  gc_interval_s: float = 10.0, sampler: Sampler | None = None,
                  checkpoint: Any = None,
-                 on_critical: Callable[[Guard], Any] | None = None) -> None:
+                 on_critical: Callable[[Guard], Any] | None = None,
+                 process_group: Any = None, ddp_overlap: bool = False) -> None:
         def positive_int(name: str, v: Any) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, not {v!r}")
@@ -291,6 +303,10 @@ class Guard:
             self.checkpoints = checkpoint if isinstance(checkpoint, Checkpoints) \
                 else wrap_checkpoints(checkpoint)
         self.on_critical = on_critical
+        self._process_group = process_group
+        self._ddp_overlap = bool(ddp_overlap)
+        self._peers: Peers | None = None
+        self._peers_checked = False
         self._grow_after = grow_after
         self._ckpt_calm = 0           # calm boundaries since the last checkpoint change
         self._critical_fired = False  # on_critical ran in this CRITICAL episode
@@ -468,49 +484,106 @@ class Guard:
         if (mode == "gradcache") != (embed_fn is not None):
             raise ValueError("mode='gradcache' takes an embed_fn, and only it does")
         n = _batch.batch_size(batch)
+        peers = self._peers_for_step()
         self._peak.start(batch)
         self._sync_budget()
         level = self._boundary_level()
         micro = int(self._planner.begin(n, self._checkpoint_hold(level)))
+        if peers is not None:
+            agreed = peers.agree([micro])[0]     # the smallest proposal
+            if agreed < micro:
+                self._planner.agree(agreed)
+                micro = agreed
+            peers.begin_step()
         plan = self._planner.state()
         self._escalate(level, plan)
         if plan["action"] != "hold":
             self.micro_batch_changes += 1
         snapshot = _Snapshot(restore)
         acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm)
+        # under DDP, gradients leave a rank only after every rank said it
+        # has not run out of memory: in DDP's last backward (overlap), or
+        # in one all-reduce after all backward passes (deferred)
+        deferred = peers is not None and (not peers.overlap or embed_fn is not None)
         tried: list[int] = []
+        used_anywhere: list[bool] = []
         optimizer.zero_grad(set_to_none=True)
         while True:
+            agreed_once = False
+
+            def agree_ok(micro: int = micro) -> None:
+                nonlocal agreed_once, used_anywhere
+                used = peers.prepare(deferred)
+                agreed_once = True
+                res = peers.agree([0, micro] + [-u for u in used])
+                if res[0] < 0:
+                    raise PeerOOM(res[1], micro)
+                used_anywhere = [v < 0 for v in res[2:]]
+
+            peer_oom = None
             try:
-                if embed_fn is not None:
-                    loss_value, emb = gradcache_backward(batch, n, micro, embed_fn, loss_fn,
-                                                         scaler, model=self.model)
-                    acc.add_whole_batch(loss_value, -(-n // micro))
-                    aux = [emb]
-                else:
-                    aux = self._attempt(batch, n, micro, loss_fn, acc)
+                with peers.attempt(deferred) if peers is not None else contextlib.nullcontext():
+                    if embed_fn is not None:
+                        loss_value, emb = gradcache_backward(
+                            batch, n, micro, embed_fn, loss_fn, scaler,
+                            model=None if deferred else self.model)
+                        acc.add_whole_batch(loss_value, -(-n // micro))
+                        aux = [emb]
+                    else:
+                        aux = self._attempt(batch, n, micro, loss_fn, acc,
+                                            agree_ok if peers is not None and not deferred
+                                            else None)
+                if deferred:
+                    agree_ok()
                 break
+            except PeerOOM as exc:
+                tried.append(micro)
+                peer_oom = exc
+                nxt = exc.next
+                if nxt:
+                    self._planner.agree(nxt, failed=exc.failed)
             except Exception as exc:
                 if not allocator.is_oom(exc):
                     acc.reset()
                     raise
+                if agreed_once:
+                    # the other ranks are in DDP's all-reduces already
+                    acc.reset()
+                    raise
                 tried.append(micro)
-                nxt = self._planner.oom(micro)
-                if nxt is None:
+                nxt = self._planner.oom(micro) or 0
+                if peers is not None:
+                    res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
+                    if res[1] and res[1] != nxt:
+                        self._planner.agree(res[1])
+                    nxt = res[1]
+                if not nxt:
                     acc.reset()
                     snapshot.restore()
+                    if peers is not None:
+                        peers.reset()
                     self._event("oom_gave_up", tried=tried)
                     raise GuardOOMError(tried, self.min_micro_batch) from exc
+            if peer_oom is not None and not nxt:
+                acc.reset()
+                snapshot.restore()
+                peers.reset()
+                self._event("oom_gave_up", tried=tried, peer=True)
+                raise GuardOOMError(tried, self.min_micro_batch) from peer_oom
             # out of the except block: the failed attempt's frames are gone
             acc.reset()
             snapshot.restore()
+            if peers is not None:
+                peers.reset()
             self.gc.relieve_oom()
             self._peak.start(batch)   # the peak the planner learns is the retry's
             self.ooms_recovered += 1
             self.micro_batch_changes += 1
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
-                        micro_batch=int(nxt))
+                        micro_batch=int(nxt), peer=peer_oom is not None)
             micro = int(nxt)
+        if deferred:
+            peers.finish(used_anywhere)
         if tried:
             plan = self._planner.state()    # the step's decision was the OOM's
         n_micro = acc.micro_batches
@@ -564,6 +637,14 @@ class Guard:
             if self.on_critical is not None:
                 self.on_critical(self)
 
+    def _peers_for_step(self) -> Peers | None:
+        """The ranks to agree with: looked up at the first step, when
+        ``torch.distributed`` is initialised with more than one rank."""
+        if not self._peers_checked:
+            self._peers = Peers.detect(self.model, self._process_group, self._ddp_overlap)
+            self._peers_checked = True
+        return self._peers
+
     def _sync_budget(self) -> None:
         """Growth is checked against the budget of what the peaks measure:
         the arena's own budget when it serves tensors and has one."""
@@ -575,15 +656,21 @@ class Guard:
             self._planner_budget = budget
 
     def _attempt(self, batch: Any, n: int, micro: int, loss_fn: Callable[[Any], Any],
-                 acc: Accumulator) -> list:
-        """Forward and backward of every micro-batch; their aux, detached."""
+                 acc: Accumulator,
+                 before_last_backward: Callable[[], None] | None = None) -> list:
+        """Forward and backward of every micro-batch; their aux, detached.
+        ``before_last_backward`` runs between the last forward and its
+        backward (the ranks' agreement before DDP synchronises)."""
         auxes: list = []
         # Sample weights are known up front: scale each loss by its share at
         # once, so one micro-batch of the whole batch is the plain step.
         acc.total_weight = float(n)
         caller_weights = None
-        for micro_batch in acc.iterate(_batch.split(batch, n, micro)):
+        items = list(_batch.split(batch, n, micro))
+        for i, micro_batch in enumerate(acc.iterate(items)):
             loss, weight, aux = _unpack(loss_fn(micro_batch))
+            if before_last_backward is not None and i == len(items) - 1:
+                before_last_backward()
             if caller_weights is None:
                 caller_weights = weight is not None
                 if caller_weights:

@@ -163,7 +163,8 @@ static void test_options(void)
     CHECK_STR(mg_plan_action_name(3), "?");
     CHECK_STR(mg_plan_action_name(-1), "?");
     const char *reasons[] = {"start", "calm", "elevated", "high", "critical", "oom",
-                             "at_min", "at_full", "grow", "model", "failed", "fixed"};
+                             "at_min", "at_full", "grow", "model", "failed", "fixed",
+                             "peer"};
     CHECK_EQ(sizeof(reasons) / sizeof(*reasons), MG_PLAN_R_COUNT);
     for (int r = 0; r < MG_PLAN_R_COUNT; r++)
         CHECK_STR(mg_plan_reason_name(r), reasons[r]);
@@ -830,6 +831,37 @@ static void test_random_constraints(void)
     }
 }
 
+/* Ranks agree on the smallest proposal: a planner adopts it, and a peer's
+ * OOM size holds growth back as its own would. */
+static void test_agree(void)
+{
+    mg_planner_opts_t o = opts();
+    o.grow_after = 2;
+    o.retry_after = 6;
+    mg_planner_t p = planner(o, 0);
+    CHECK_EQ(begin(&p, 32, OK), 32);
+    CHECK_EQ(mg_planner_agree(&p, 0, 0), EINVAL);
+    CHECK_EQ(mg_planner_agree(&p, 32, 0), 0); /* its own size: nothing changes */
+    CHECK_LAST(&p, "hold", "start", 32, 32);
+    CHECK_EQ(mg_planner_agree(&p, 8, 32), 0); /* a peer ran out of memory at 32 */
+    CHECK_LAST(&p, "shrink", "peer", 32, 8);
+    CHECK_EQ(p.last.step, 0);
+    CHECK_EQ(p.micro, 8);
+    CHECK_EQ(p.failed, 32);
+    CHECK_EQ(p.ooms, 0); /* not this rank's */
+    CHECK_EQ(begin(&p, 32, OK), 8);
+    CHECK_EQ(begin(&p, 32, OK), 16); /* grows, but not back to the failed 32 */
+    CHECK_EQ(begin(&p, 32, OK), 16);
+    CHECK_EQ(begin(&p, 32, OK), 16);
+    CHECK_LAST(&p, "hold", "failed", 16, 16);
+    CHECK_EQ(begin(&p, 32, OK), 16);
+    CHECK_EQ(begin(&p, 32, OK), 32); /* retry_after calm steps later */
+    /* a larger agreement than the plan (not from a MIN reduction) is taken too */
+    CHECK_EQ(mg_planner_agree(&p, 4, 0), 0);
+    CHECK_EQ(mg_planner_agree(&p, 16, 0), 0);
+    CHECK_LAST(&p, "grow", "peer", 4, 16);
+}
+
 int main(void)
 {
     mgt_begin();
@@ -846,5 +878,6 @@ int main(void)
     RUN(test_small_batches);
     RUN(test_replay_and_copy);
     RUN(test_random_constraints);
+    RUN(test_agree);
     return mgt_result();
 }

@@ -1,0 +1,212 @@
+"""Micro-batch plans agreed among the ranks of a DDP run.
+
+Under ``torch.distributed`` every rank runs the same plan. :class:`Peers`
+carries the two small all-reduces a guarded step needs:
+
+* at the step boundary, the smallest of the ranks' proposed sizes (a rank
+  under pressure shrinks every rank);
+* once per attempt, an out-of-memory flag with the size to redo the step
+  at, agreed before any gradient leaves a rank: a rank that runs out of
+  memory stops, says so, and every rank redoes the step at the same smaller
+  size. Nobody waits in a collective that a failed rank will never join.
+
+Gradients are synchronised in one of two ways:
+
+* ``overlap=False`` (the default): every micro-batch's backward runs under
+  ``no_sync()``, the flag is agreed after the last one, and the averaged
+  gradients are all-reduced afterwards: large ones in place, small ones
+  copied into buckets (the only memory this mode adds). An out-of-memory
+  error anywhere in forward or backward is recovered.
+* ``overlap=True``: all micro-batches but the last run under ``no_sync()``;
+  the flag is agreed after the last forward and DDP's own synchronising
+  backward overlaps communication with computation. An out-of-memory error
+  *inside* that backward cannot be recovered (the other ranks are already
+  in DDP's all-reduces), and training stops with it.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_BUCKET_BYTES = 25 << 20   # DDP's default bucket size
+_IN_PLACE_BYTES = 1 << 20  # gradients this large are all-reduced where they are
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+    return dist
+
+
+class PeerOOM(Exception):
+    """Another rank ran out of memory: the step is redone at ``next``
+    (0: a rank is at its smallest size and gives up)."""
+
+    def __init__(self, next_micro: int, failed: int) -> None:
+        super().__init__(f"a peer rank ran out of memory at micro-batch {failed}")
+        self.next = next_micro
+        self.failed = failed
+
+
+class Peers:
+    """The ranks of a process group, agreeing on plans (see module docs).
+
+    Args:
+        model: the trained module; a ``DistributedDataParallel`` one has its
+            gradients synchronised as described above.
+        group: the process group (the model's, or the default one).
+        overlap: let DDP's synchronising backward run for the last
+            micro-batch (see module docs).
+    """
+
+    def __init__(self, model: torch.nn.Module | None, group: Any = None,
+                 overlap: bool = False) -> None:
+        dist = _dist()
+        from torch.nn.parallel import DistributedDataParallel
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        if group is None and self.ddp is not None:
+            group = self.ddp.process_group
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.overlap = overlap and self.ddp is not None
+        backend = str(dist.get_backend(group))
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if backend == "nccl" else torch.device("cpu")
+        self._param_sync: bool | None = None
+        self._armed = False    # a synchronising forward may have run this attempt
+        self._flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self.collectives = 0   # all-reduces issued, for tests and telemetry
+
+    @staticmethod
+    def detect(model: torch.nn.Module | None, group: Any = None,
+               overlap: bool = False) -> Peers | None:
+        """Peers when ``torch.distributed`` is initialised with more than one
+        rank, else ``None``."""
+        try:
+            dist = _dist()
+        except ImportError:
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(group) < 2:
+            return None
+        return Peers(model, group, overlap)
+
+    def agree(self, values: list[int]) -> list[int]:
+        """The element-wise minimum of ``values`` over the ranks."""
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        _dist().all_reduce(t, op=_dist().ReduceOp.MIN, group=self.group)
+        self.collectives += 1
+        return [int(v) for v in t.tolist()]
+
+    # -- per step ------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Remember DDP's buffer-sync flag, which a redone step restores so
+        every rank's first forward issues the same collectives."""
+        if self.ddp is not None:
+            self._param_sync = self.ddp.require_forward_param_sync
+
+    def attempt(self, deferred: bool) -> contextlib.AbstractContextManager:
+        """The context an attempt's micro-batches run in: all of them under
+        ``no_sync()`` when the gradients are all-reduced afterwards."""
+        self._armed = self.ddp is not None and not deferred
+        if self.ddp is None or not deferred:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
+
+    def reset(self) -> None:
+        """Before a step is redone: put DDP back as it was at the step's
+        start. With ``overlap`` a rank may have prepared the reducer for a
+        synchronising backward that never ran; every rank resets it alike."""
+        if self.ddp is None:
+            return
+        if self._param_sync is not None:
+            self.ddp.require_forward_param_sync = self._param_sync
+        if self._armed:
+            self.ddp.reducer._reset_state()
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients are synchronised, in the same
+        order on every rank."""
+        if self.ddp is None:
+            return []
+        return [p for p in self.ddp.parameters() if p.requires_grad]
+
+    def prepare(self, deferred: bool) -> list[int]:
+        """After the backward passes, before the agreement (deferred mode):
+        give every synchronised parameter a gradient (zeros where this rank
+        has none) and lay the gradients out, pre-divided by the world size,
+        in the buckets :meth:`finish` all-reduces. Whatever this allocates
+        is allocated while an out-of-memory error can still be recovered.
+
+        Returns:
+            1 for each parameter that had a gradient here, 0 otherwise.
+        """
+        if self.ddp is None or not deferred:
+            return []
+        used = []
+        grads = []
+        for p in self.params():
+            used.append(int(p.grad is not None))
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        scale = 1.0 / self.world
+        self._flats = []
+        for bucket in _buckets(grads):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                flat = bucket[0].view(-1)
+                flat.mul_(scale)
+            else:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                flat.mul_(scale)
+            self._flats.append((bucket, flat))
+        return used
+
+    def finish(self, used_anywhere: list[bool]) -> None:
+        """After the agreement: all-reduce the buckets :meth:`prepare` laid
+        out (in place) and copy them back; a parameter no rank had a
+        gradient for gets ``None`` again."""
+        if self.ddp is None:
+            return
+        dist = _dist()
+        for bucket, flat in self._flats:
+            dist.all_reduce(flat, group=self.group)
+            self.collectives += 1
+            if flat.data_ptr() == bucket[0].data_ptr() and len(bucket) == 1:
+                continue
+            off = 0
+            for g in bucket:
+                k = g.numel()
+                g.copy_(flat[off:off + k].view_as(g))
+                off += k
+        self._flats = []
+        for p, anywhere in zip(self.params(), used_anywhere):
+            if not anywhere:
+                p.grad = None
+        # the next forward broadcasts buffers, as after a DDP synchronising step
+        self.ddp.require_forward_param_sync = True
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Gradients to all-reduce together: a large contiguous one alone and in
+    place (no copy), small ones in runs of one dtype and device up to
+    DDP's bucket size (their copy is what the deferred mode costs)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if nbytes >= _IN_PLACE_BYTES and g.is_contiguous():
+            yield [g]
+            continue
+        if bucket and (size + nbytes > _BUCKET_BYTES or g.dtype != bucket[0].dtype
+                       or g.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += nbytes
+    if bucket:
+        yield bucket

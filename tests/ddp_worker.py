@@ -1,0 +1,156 @@
+"""One rank of the DDP tests (tests/test_ddp.py), started by ``torchrun``.
+
+Each rank trains a small student MLP over the tokens of each sample (with a registered buffer, so DDP's
+buffer broadcasts run too) under ``DistributedDataParallel`` on gloo, on its
+half of every global batch, through ``Guard.step``. Optionally a frozen,
+wide teacher runs without gradients in the loss (MoCo's key encoder,
+DINO's teacher): its temporaries make the forward pass the step's peak.
+
+Out-of-memory errors are real: the rank that should run out installs
+memguard's allocator, measures its own step's peak at the full and at half
+the size, and at the chosen steps lowers the arena's budget between the
+two. Each rank writes what happened and its final parameters to
+``<out>/rank<r>.pt``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import memguard
+from memguard import Guard, GuardOOMError, allocator
+
+D, E, T = 16, 8, 192   # features, outputs, tokens per sample
+SMALL = 64 << 10      # room for the small blocks a step also takes (RNG state, scalars)
+
+
+def make_models(teacher: bool, h: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    torch.manual_seed(0)
+    student = torch.nn.Sequential(torch.nn.Linear(D, h), torch.nn.GELU(),
+                                  torch.nn.Linear(h, E))
+    student.register_buffer("scale", torch.ones(E))
+    t = None
+    if teacher:
+        t = torch.nn.Sequential(torch.nn.Linear(D, 8 * h), torch.nn.GELU(),
+                                torch.nn.Linear(8 * h, E))
+        t.requires_grad_(False)
+    return student, t
+
+
+def make_data(steps: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``steps`` global batches of ``batch`` samples (every rank's share)."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(steps, batch, T, D, generator=g),
+            torch.randn(steps, batch, E, generator=g))
+
+
+def loss_of(model: torch.nn.Module, teacher: torch.nn.Module | None,
+            x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x).mean(1)
+    if teacher is not None:
+        with torch.no_grad():
+            y = y + teacher(x).mean(1)
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def reference(steps: int, world_batch: int, teacher: bool,
+              h: int) -> dict[str, torch.Tensor]:
+    """Single-process training at the same effective batch."""
+    model, t = make_models(teacher, h)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = make_data(steps, world_batch)
+    for s in range(steps):
+        opt.zero_grad()
+        loss_of(model, t, xs[s], ys[s]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def peak_of(model: torch.nn.Module, teacher: torch.nn.Module | None,
+            x: torch.Tensor, y: torch.Tensor) -> int:
+    """What one forward and backward adds to the arena at its peak (DDP's
+    hooks stay idle: this runs on the bare module)."""
+    allocator.reset_peaks()
+    base = memguard.stats()["allocated_bytes.current"]
+    loss_of(model, teacher, x, y).backward()
+    model.zero_grad(set_to_none=True)
+    return memguard.stats()["allocated_bytes.peak"] - base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16, help="per rank")
+    ap.add_argument("--micro-batch", default="auto")
+    ap.add_argument("--teacher", action="store_true")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--oom-rank", type=int, default=-1)
+    ap.add_argument("--oom-at", type=int, nargs="*", default=[],
+                    help="steps before which the OOM rank's budget is lowered")
+    ap.add_argument("--tiny-budget", action="store_true",
+                    help="the OOM rank cannot fit even one sample")
+    a = ap.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, teacher = make_models(a.teacher, a.hidden)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    xs, ys = make_data(a.steps, a.batch * world)
+    mine = slice(rank * a.batch, (rank + 1) * a.batch)
+
+    oom_here = rank == a.oom_rank
+    extra = 0
+    if oom_here:
+        memguard.install()
+        x, y = xs[0, mine], ys[0, mine]
+        full = peak_of(model, teacher, x, y)
+        half = peak_of(model, teacher, x[:a.batch // 2], y[:a.batch // 2])
+        extra = (full + half) // 2   # room for a half-size step, not a full one
+
+    micro = a.micro_batch if a.micro_batch == "auto" else int(a.micro_batch)
+    guard = Guard(budget=None, micro_batch=micro, model=ddp, ddp_overlap=a.overlap,
+                  allocator=oom_here, gc_interval_s=0)
+    record: dict = {"micro": [], "retries": [], "tried": [], "loss": [], "reasons": []}
+    with guard:
+        for s in range(a.steps):
+            if oom_here:
+                low = None
+                if s in a.oom_at:
+                    # cached large blocks go back; small ones stay reserved
+                    # in their slabs, for the step to reuse
+                    allocator.trim()
+                    low = 4096 if a.tiny_budget else \
+                        memguard.stats()["reserved_bytes.current"] + extra + SMALL
+                allocator.set_budget(low)
+            try:
+                res = guard.step((xs[s, mine], ys[s, mine]),
+                                 lambda b: loss_of(ddp, teacher, *b), opt)
+            except GuardOOMError as exc:
+                record["gave_up"] = exc.tried
+                break
+            record["micro"].append(res.micro_batch)
+            record["retries"].append(res.retries)
+            record["tried"].append(res.tried)
+            record["loss"].append(res.loss)
+            record["reasons"].append(guard.plan()["reason"])
+    if oom_here:
+        allocator.set_budget(None)
+    record["ooms_recovered"] = guard.ooms_recovered
+    record["collectives"] = guard._peers.collectives if guard._peers else 0
+    record["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        record["reference"] = reference(a.steps, a.batch * world, a.teacher, a.hidden)
+    torch.save(record, os.path.join(a.out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

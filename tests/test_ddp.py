@@ -1,0 +1,98 @@
+"""Guard.step under DDP: two ranks started by ``torchrun`` on gloo (CPU).
+
+Each run trains the same model on every rank's half of each global batch
+(tests/ddp_worker.py) and compares the parameters with single-process
+training on the whole global batch. Out-of-memory errors are real: one
+rank lowers its arena budget below a full-size step. Every run is bounded
+by a timeout, so a rank waiting in a collective that another will never
+join fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+TIMEOUT_S = 240   # generous for a loaded machine; a deadlock would last forever
+
+
+def torchrun(tmp_path, *args: str) -> tuple[dict, dict]:
+    """Run the worker on 2 ranks; the two ranks' records."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", str(ROOT / "tests" / "ddp_worker.py"),
+           "--out", str(tmp_path), *args]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a rank hung):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return tuple(torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+
+
+def assert_trained_alike(r0: dict, r1: dict) -> None:
+    """Both ranks hold the same parameters, those of single-process
+    training at the same effective batch (up to summation order)."""
+    for k, ref in r0["reference"].items():
+        assert torch.equal(r0["state"][k], r1["state"][k]), k
+        torch.testing.assert_close(r0["state"][k], ref, rtol=1e-5, atol=1e-6, msg=k)
+    assert r0["micro"] == r1["micro"]
+    assert r0["tried"] == r1["tried"]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+def test_micro_batched_ddp_matches_single_process(tmp_path, overlap):
+    r0, r1 = torchrun(tmp_path, "--micro-batch", "4", *(["--overlap"] if overlap else []))
+    assert_trained_alike(r0, r1)
+    assert r0["micro"] == [4] * 5 and r0["retries"] == [0] * 5
+    # per step: the plan, the OOM flag, and (deferred) one bucket of gradients
+    # (DDP's own all-reduces in the overlap mode are not counted)
+    assert r0["collectives"] == r1["collectives"] == (2 if overlap else 3) * 5
+
+
+def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
+    """Rank 1 runs out of memory in the first step's backward at the full
+    size; both ranks redo it at half the size and keep that size."""
+    r0, r1 = torchrun(tmp_path, "--oom-rank", "1", "--oom-at", "0")
+    assert_trained_alike(r0, r1)
+    assert r0["micro"] == [8] * 5
+    assert r0["tried"][0] == [16] and r0["retries"] == [1, 0, 0, 0, 0]
+    assert r1["reasons"][0] == "oom" and r0["reasons"][0] == "peer"
+    assert r0["ooms_recovered"] == r1["ooms_recovered"] == 1
+
+
+def test_oom_in_forward_with_ddp_synchronising(tmp_path):
+    """DDP synchronises the last backward itself (overlap); rank 1 runs out
+    of memory in a teacher's no-grad forward at step 2, after DDP's reducer
+    has run. The flag is agreed before the synchronising backward, the
+    reducer is reset on both ranks, and training goes on at half the size."""
+    r0, r1 = torchrun(tmp_path, "--overlap", "--teacher", "--oom-rank", "1",
+                      "--oom-at", "2")
+    assert_trained_alike(r0, r1)
+    assert r0["micro"] == [16, 16, 8, 8, 8]
+    assert r0["tried"][2] == [16] and r0["reasons"][2] == "peer"
+
+
+def test_oom_at_the_minimum_stops_every_rank(tmp_path):
+    """Nothing fits on rank 0: both ranks raise GuardOOMError naming the same
+    sizes, keep the same parameters, and neither hangs."""
+    r0, r1 = torchrun(tmp_path, "--oom-rank", "0", "--tiny-budget", "--oom-at", "1")
+    assert r0["gave_up"] == r1["gave_up"] == [16, 8, 4, 2, 1]
+    assert r0["micro"] == r1["micro"] == [16]
+    for k, v in r0["state"].items():
+        assert torch.equal(v, r1["state"][k]), k
