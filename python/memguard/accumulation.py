@@ -16,7 +16,7 @@ mean loss, so the optimizer step is the unsplit step's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -47,11 +47,15 @@ class Accumulator:
             micro-batch is the whole batch is bit-for-bit the unsplit one.
             ``None``: divide the gradients by the summed weights in
             :meth:`step`.
+        backward: runs the backward pass of each weighted loss in place of
+            ``loss.backward()`` (Lightning's ``manual_backward``, which
+            applies its precision plugin's loss scaling).
     """
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, *,
                  scaler: Any = None, clip_grad_norm: float | None = None,
-                 total_weight: float | None = None) -> None:
+                 total_weight: float | None = None,
+                 backward: Callable[[torch.Tensor], Any] | None = None) -> None:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive, not {clip_grad_norm!r}")
         if total_weight is not None and not total_weight > 0:
@@ -61,6 +65,7 @@ class Accumulator:
         self.scaler = scaler
         self.clip_grad_norm = clip_grad_norm
         self.total_weight = total_weight
+        self._backward = backward
         self.weight = 0.0          # summed weights of the micro-batches so far
         self.micro_batches = 0
         self._loss: torch.Tensor | None = None  # weighted loss sum, detached
@@ -85,7 +90,10 @@ class Accumulator:
         scaled = loss if scale == 1.0 else loss * scale
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
-        scaled.backward()
+        if self._backward is not None:
+            self._backward(scaled)
+        else:
+            scaled.backward()
         self.weight += w
         self.micro_batches += 1
         term = loss.detach().float() * w

@@ -289,10 +289,12 @@ class Guard:
         self.multiple_of = multiple_of
         self.divisor_of = divisor_of
         self.model = model
-        self._planner = _C.Planner(
-            micro=start, min_micro=min_micro_batch, multiple_of=multiple_of,
-            divisor_of=divisor_of or 0, budget_bytes=self.budget_bytes, margin=float(margin),
-            grow_after=grow_after, retry_after=retry_after, fixed=fixed)
+        self._planner_opts = {
+            "micro": start, "min_micro": min_micro_batch, "multiple_of": multiple_of,
+            "divisor_of": divisor_of or 0, "budget_bytes": self.budget_bytes,
+            "margin": float(margin), "grow_after": grow_after, "retry_after": retry_after,
+            "fixed": fixed}
+        self._planner = _C.Planner(**self._planner_opts)
         if fixed and self._planner.fit(start) != start:
             raise ValueError(f"micro_batch {start} breaks the constraints min_micro_batch="
                              f"{min_micro_batch}, multiple_of={multiple_of}, "
@@ -448,7 +450,7 @@ class Guard:
              scaler: Any = None, clip_grad_norm: float | None = None,
              post_step: Callable[[Any], Any] | None = None, restore: Any = (),
              mode: str = "accumulate", embed_fn: Callable[[Any], Any] | None = None,
-             ) -> StepResult:
+             backward: Callable[[torch.Tensor], Any] | None = None) -> StepResult:
         """One optimizer step over ``batch``, micro-batched as planned.
 
         Args:
@@ -472,6 +474,9 @@ class Guard:
                 replayed with the cached embedding gradients (see
                 :mod:`memguard.gradcache`); ``aux`` is the embeddings.
             embed_fn: the embedding function of ``"gradcache"`` mode.
+            backward: runs each micro-batch's backward in place of
+                ``loss.backward()`` (``"accumulate"`` mode); Lightning's
+                ``manual_backward`` goes here.
 
         Returns:
             A :class:`StepResult`.
@@ -500,7 +505,8 @@ class Guard:
         if plan["action"] != "hold":
             self.micro_batch_changes += 1
         snapshot = _Snapshot(restore)
-        acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm)
+        acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm,
+                          backward=backward)
         # under DDP, gradients leave a rank only after every rank said it
         # has not run out of memory: in DDP's last backward (overlap), or
         # in one all-reduce after all backward passes (deferred)
@@ -732,6 +738,40 @@ class Guard:
                 micro = int(nxt)
         return _batch.concat(outs)
 
+    # -- resuming ----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on where this one stopped: the
+        planned micro-batch, the checkpointed blocks and the counters."""
+        return {
+            "version": 1,
+            "micro_batch": self.micro_batch,
+            "checkpointed_blocks": self.checkpoints.n_on if self.checkpoints else 0,
+            "steps": self.steps,
+            "ooms_recovered": self.ooms_recovered,
+            "micro_batch_changes": self.micro_batch_changes,
+            "peak_bytes": self.peak_bytes,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the planner starts at the saved
+        micro-batch (growth then waits for calm steps as usual).
+
+        Raises:
+            ValueError: not a memguard guard state.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != 1:
+            raise ValueError(f"not a memguard Guard state: {state!r}")
+        micro = int(state["micro_batch"])
+        if micro and not self._planner_opts["fixed"]:
+            self._planner = _C.Planner(**dict(self._planner_opts, micro=micro))
+            self._planner_budget = self._planner_opts["budget_bytes"]
+        if self.checkpoints is not None:
+            self.checkpoints.set(min(int(state["checkpointed_blocks"]), len(self.checkpoints)))
+        self.steps = int(state["steps"])
+        self.ooms_recovered = int(state["ooms_recovered"])
+        self.micro_batch_changes = int(state["micro_batch_changes"])
+        self.peak_bytes = int(state["peak_bytes"])
+
     # -- reporting ---------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """Counters of the run so far."""
@@ -748,3 +788,27 @@ class Guard:
             "plan": self.plan(),
             "time": time.time(),
         }
+
+    def postfix(self) -> dict[str, Any]:
+        """A short view of the run for a progress bar: ``bar.set_postfix(guard.postfix())``.
+
+        Returns:
+            ``{"mem": "1.2/4.0GiB", "micro": 16, "oom": 1}``: memory now (the
+            newest sample's RSS, the arena's reserved bytes before the first
+            sample, ``?`` without either) over the budget (no ``/budget``
+            without one), the planned micro-batch size (0 before the first
+            step with "auto") and the out-of-memory errors recovered.
+        """
+        s = self.sampler.latest() if self.sampler is not None else None
+        used = s.rss_bytes if s is not None else None
+        if used is None and allocator.installed():
+            used = int(_C.arena_stats()["reserved_bytes.current"])
+        budget = self.budget_bytes or None
+        gib = max(used or 0, budget or 0) >= 2**30
+        scale, unit, digits = (2**30, "GiB", 1) if gib else (2**20, "MiB", 0)
+        mem = "?" if used is None else f"{used / scale:.{digits}f}"
+        if budget is not None:
+            mem += f"/{budget / scale:.{digits}f}"
+        if mem != "?":
+            mem += unit
+        return {"mem": mem, "micro": self.micro_batch, "oom": self.ooms_recovered}

@@ -1,0 +1,208 @@
+"""memguard.lightning with real Lightning runs on CPU: a throttled run trains
+like the unthrottled one, the callback logs through the trainer's loggers,
+its state survives a checkpoint and resume, and pressure or a real
+out-of-memory error inside a step shrinks the micro-batch without failing
+the run. (2-process DDP: tests/test_examples.py runs dreams_lightning.py.)"""
+from __future__ import annotations
+
+import csv
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+L = pytest.importorskip("lightning.pytorch")
+
+import memguard
+from memguard.lightning import MemGuardCallback, MemGuardModule
+from memguard.telemetry import Level
+
+N, BATCH, D = 64, 16, 8
+
+
+def data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(N, D, generator=g), torch.randn(N, 1, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+
+
+class Plain(L.LightningModule):
+    """An ordinary module written for automatic optimization, with a
+    per-step scheduler and a logged loss."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(D, width), torch.nn.Tanh(),
+                                       torch.nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Guarded(MemGuardModule, Plain):
+    """The same module with the mixin in front: nothing else changes."""
+
+
+def trainer(tmp_path, callbacks=(), **kw) -> L.Trainer:
+    args = {"max_epochs": 2, "accelerator": "cpu", "devices": 1, "enable_checkpointing": False,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "log_every_n_steps": 1, "logger": L.loggers.CSVLogger(tmp_path, name="run")}
+    args.update(kw)
+    return L.Trainer(callbacks=list(callbacks), **args)
+
+
+def csv_rows(t: L.Trainer) -> list[dict]:
+    with open(f"{t.logger.log_dir}/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("micro", [4, 16])
+def test_throttled_run_trains_like_the_plain_one(tmp_path, micro):
+    plain = Plain()
+    trainer(tmp_path / "a").fit(plain, data())
+    guarded = Guarded()
+    cb = MemGuardCallback(budget=None, micro_batch=micro, allocator=False)
+    t = trainer(tmp_path / "b", [cb])
+    t.fit(guarded, data())
+    for p, q in zip(plain.parameters(), guarded.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    assert t.global_step == 2 * N // BATCH                 # one optimizer step per batch
+    assert cb.guard.steps == t.global_step
+    assert t.lr_scheduler_configs[0].scheduler.get_last_lr() == \
+        [0.1 * 0.5 ** (t.global_step // 2)]                # stepped per step, as configured
+    assert all(r.micro_batch == micro for r in [cb.guard.last])
+
+
+def test_callback_logs_through_the_trainers_logger(tmp_path):
+    cb = MemGuardCallback(budget="4GiB", micro_batch=8, allocator=False)
+    t = trainer(tmp_path, [cb], max_epochs=1)
+    t.fit(Guarded(), data())
+    rows = csv_rows(t)
+    step_rows = [r for r in rows if r.get("memguard/micro_batch")]
+    assert len(step_rows) == N // BATCH
+    for r in step_rows:
+        assert float(r["memguard/micro_batch"]) == 8
+        assert float(r["memguard/budget_mib"]) == 4096
+        assert float(r["memguard/rss_mib"]) > 10           # a real sample of this process
+        assert float(r["memguard/pressure_level"]) in (0, 1, 2, 3)
+        assert float(r["memguard/ooms_recovered"]) == 0
+    # the user's own log, once per batch: the mean over its micro-batches
+    losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    assert len(losses) == N // BATCH and all(v > 0 for v in losses)
+
+
+def test_state_survives_checkpoint_and_resume(tmp_path):
+    cb = MemGuardCallback(budget=None, allocator=False)
+    t = trainer(tmp_path, [cb], max_epochs=1, enable_checkpointing=True,
+                default_root_dir=tmp_path)
+    model = Guarded()
+
+    class Squeeze(L.Callback):       # pressure: the planner shrinks to 4
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx < 2:
+                cb.guard._on_sample(types.SimpleNamespace(level=Level.HIGH,
+                                                          raw_level=Level.HIGH))
+
+    t.callbacks.append(Squeeze())
+    t.fit(model, data())
+    assert cb.guard.micro_batch == 4 and cb.guard.steps == 4
+    ckpt = t.checkpoint_callback.best_model_path
+    state = torch.load(ckpt, weights_only=False)["callbacks"]
+    saved = next(v for k, v in state.items() if "MemGuardCallback" in k)
+    assert saved["micro_batch"] == 4 and saved["steps"] == 4
+
+    cb2 = MemGuardCallback(budget=None, allocator=False)
+    t2 = trainer(tmp_path / "resume", [cb2], max_epochs=2)
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(cb2.guard.micro_batch)
+
+    t2.callbacks.append(Probe())
+    t2.fit(Guarded(), data(), ckpt_path=ckpt)
+    assert seen[0] == 4                     # resumed at the saved size, not the full batch
+    assert cb2.guard.steps == 8 and t2.global_step == 8
+
+
+class Tokens(Guarded):
+    """Each sample as 96 tokens through a wide layer: activations (384 KiB
+    per sample and layer) outweigh the parameters, as in real models."""
+
+    T = 96
+
+    def loss(self, batch):
+        x, y = batch
+        x = x[:, None, :] * torch.linspace(0.5, 1.5, self.T)[None, :, None]
+        return torch.nn.functional.mse_loss(self.net(x).mean(1), y)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+
+def test_out_of_memory_inside_a_step_is_recovered(tmp_path):
+    """A real allocation failure: at the first batch memguard's arena budget
+    is lowered to leave room for a half-size step but not a full one; the
+    step is redone at a smaller size and the run finishes every step."""
+    try:
+        memguard.install()
+    except RuntimeError as exc:
+        pytest.skip(f"memguard's allocator cannot be installed here: {exc}")
+    try:
+        model = Tokens(width=1024)
+        cb = MemGuardCallback(budget=None)
+
+        def added_peak(module, batch):
+            """What one plain forward and backward adds to the arena at its peak."""
+            memguard.allocator.reset_peaks()
+            base = memguard.stats()["allocated_bytes.current"]
+            module.loss(batch).backward()
+            module.zero_grad(set_to_none=True)
+            return memguard.stats()["allocated_bytes.peak"] - base
+
+        class Lower(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if batch_idx == 0 and trainer.current_epoch == 0:
+                    full = added_peak(pl_module, batch)
+                    half = added_peak(pl_module, [b[:BATCH // 2] for b in batch])
+                    memguard.allocator.trim()      # small cached blocks stay reserved
+                    memguard.allocator.set_budget(memguard.stats()["reserved_bytes.current"]
+                                                  + (full + half) // 2 + (64 << 10))
+
+        t = trainer(tmp_path, [cb, Lower()], max_epochs=1)
+        t.fit(model, data())
+        assert t.global_step == N // BATCH                # no step lost
+        assert cb.guard.ooms_recovered >= 1
+        assert cb.guard.micro_batch < BATCH
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        memguard.allocator.set_budget(None)
+        memguard.uninstall()
+
+
+def test_bf16_mixed_precision_with_micro_batches(tmp_path):
+    cb = MemGuardCallback(budget=None, micro_batch=4, allocator=False)
+    t = trainer(tmp_path, [cb], max_epochs=1, precision="bf16-mixed")
+    model = Guarded()
+    t.fit(model, data())
+    assert t.global_step == N // BATCH
+    assert cb.guard.last.n_micro == BATCH // 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="12 parsecs"):
+        MemGuardCallback(budget="12 parsecs")
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        MemGuardCallback(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="automatic_optimization"):
+        Guarded().automatic_optimization = True
