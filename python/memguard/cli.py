@@ -1,8 +1,9 @@
-"""The ``memguard`` command: ``doctor``, ``sample``, ``watch``, ``run``, ``demo``."""
+"""The ``memguard`` command: ``doctor``, ``sample``, ``watch``, ``run``, ``demo``, ``report``."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -64,6 +65,15 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from memguard.report import report
+
+    out = args.output or os.path.splitext(args.telemetry)[0] + ".png"
+    summary = report(args.telemetry, out)
+    print(f"report of {summary.steps} steps and {summary.samples} samples written to {out}")
+    return 0
+
+
 # Subcommands that parse their own options; their parsers below only list them.
 _PASSTHROUGH = ("doctor", "run", "demo")
 
@@ -93,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="a short CPU training run with live telemetry")
     m.add_argument("demo_args", nargs=argparse.REMAINDER, help="options of the demo (see --help)")
+
+    rp = sub.add_parser("report", help="draw a run's telemetry (.jsonl) as a .png or .html report")
+    rp.add_argument("telemetry", help="a JSONL telemetry file (Guard(telemetry=...), demo, watch)")
+    rp.add_argument("-o", "--output", default=None,
+                    help="report.png or report.html (default: the telemetry file's name, .png)")
+    rp.set_defaults(fn=_cmd_report)
     return p
 
 

@@ -38,7 +38,7 @@ from memguard.checkpoint import wrap as wrap_checkpoints
 from memguard.distributed import PeerOOM, Peers
 from memguard.gc_hooks import GcHooks
 from memguard.gradcache import gradcache_backward
-from memguard.telemetry import JsonlExporter, Level, PressureEvent, Sampler, open_exporter
+from memguard.telemetry import Level, PressureEvent, Sampler, open_exporter
 
 
 class GuardOOMError(RuntimeError):
@@ -427,9 +427,9 @@ class Guard:
         return int(raw)
 
     def _event(self, name: str, data: dict | None = None, **kw: Any) -> None:
-        ex = self._exporter
-        if isinstance(ex, JsonlExporter):
-            ex.event(name, **(data or {}), **kw)
+        event = getattr(self._exporter, "event", None)   # JSONL, TensorBoard
+        if callable(event):
+            event(name, **(data or {}), **kw)
 
     # -- the step ----------------------------------------------------------
     @property

@@ -1,0 +1,360 @@
+"""`memguard report`, Guard.postfix and the TensorBoard exporter, on a real run.
+
+The run is a real Guard loop in a child process (memguard's arena is
+process-global): a tiny model whose loss_fn takes 20 MiB of arena memory per
+sample for four steps, under an arena budget of 512 MiB, so the whole batch
+of 32 really runs out of memory once and the guard shrinks, then grows back.
+Its JSONL telemetry is drawn through the command line; the TensorBoard
+exporter rides on the same sampler, so both exporters are compared sample by
+sample.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from memguard.telemetry import JsonlExporter, Sampler, read_jsonl
+
+torch = pytest.importorskip("torch")
+mpimg = pytest.importorskip("matplotlib.image")
+np = pytest.importorskip("numpy")
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+
+MiB = 2**20
+STEPS = 20
+SHRINK_RGB = (247, 103, 7)    # the report's shrink markers, #f76707
+GROW_RGB = (47, 158, 68)      # and grow markers, #2f9e44
+DEMO_TRACE = FIXTURES / "traces" / "demo_validation_leak.jsonl"
+
+CHILD = r'''
+import json, sys, time
+import torch
+import memguard
+from memguard import Guard, allocator
+from memguard.tensorboard import TensorBoardExporter
+
+MiB = 2**20
+jsonl, tb_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+spike = range(4, 8)      # steps whose micro-batches take 20 MiB a sample
+
+
+def loss_fn(micro):
+    x, y = micro
+    scratch = torch.empty(len(x) * (20 * MiB if step in spike else MiB), dtype=torch.uint8)
+    del scratch          # arena bytes, never touched: RSS stays calm
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+budget = memguard.sample().rss_bytes + 1024 * MiB
+sampler = memguard.Sampler(interval_ms=20, budget=budget)
+tb = TensorBoardExporter(tb_dir)
+sampler.on_sample(tb)
+guard = Guard(budget=budget, telemetry=jsonl, sampler=sampler, grow_after=2, retry_after=4)
+micro = []
+with guard:
+    if not allocator.installed():
+        print(json.dumps({"skip": guard.allocator_error}))
+        sys.exit(0)
+    allocator.set_budget(512 * MiB)   # the arena's own budget: 32 x 20 MiB cannot fit
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        batch = (torch.randn(32, 8, generator=g), torch.randint(0, 2, (32,), generator=g))
+        res = guard.step(batch, loss_fn, opt)
+        tb.event("step", step=step, micro_batch=res.micro_batch, n_micro=res.n_micro,
+                 retries=res.retries, peak_bytes=res.peak_bytes, loss=res.loss)
+        for _ in range(res.retries):
+            tb.event("oom_recovered", step=step)
+        micro.append(res.micro_batch)
+        time.sleep(0.03)                   # a few samples a step
+    postfix = guard.postfix()
+    latest_rss = sampler.latest().rss_bytes
+tb.close()
+print(json.dumps({"summary": guard.summary(), "micro": micro, "postfix": postfix,
+                  "latest_rss": latest_rss}, default=str))
+'''
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memguard", *args], capture_output=True,
+                          check=False, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The child's telemetry paths and what it printed."""
+    d = tmp_path_factory.mktemp("guard_run")
+    jsonl, tb_dir = d / "run.jsonl", d / "tb"
+    out = subprocess.run([sys.executable, "-c", CHILD, str(jsonl), str(tb_dir), str(STEPS)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in res:
+        pytest.skip(f"memguard's allocator is not available here: {res['skip']}")
+    res.update(dir=d, jsonl=jsonl, tb_dir=tb_dir)
+    return res
+
+
+def table(page: str) -> dict[str, str]:
+    rows = re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", page)
+    return {html.unescape(k): html.unescape(v) for k, v in rows}
+
+
+def embedded_png(page: str):
+    m = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert m, "the page embeds its figure as a base64 PNG"
+    return mpimg.imread(io.BytesIO(base64.b64decode(m.group(1))), format="png")
+
+
+def near(img, rgb: tuple[int, int, int], tol: int = 8) -> int:
+    """Pixels of ``img`` (floats in [0, 1]) within ``tol`` of ``rgb``."""
+    px = (img[..., :3] * 255).round()
+    return int((np.abs(px - np.array(rgb)) <= tol).all(axis=-1).sum())
+
+
+# -- the run itself: what the report has to show --------------------------------
+def test_the_run_recovered_an_oom_shrank_and_grew(run):
+    _, samples, events = read_jsonl(run["jsonl"])
+    kinds = [e["event"] for e in events]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["micro_batch"] for e in steps] == run["micro"]
+    assert kinds.count("oom_recovered") == run["summary"]["ooms_recovered"] == 1
+    assert {e["action"] for e in steps} >= {"shrink", "grow"}
+    assert "relieve" in kinds and samples
+    assert any(s.arena_allocated_bytes for s in samples)
+
+
+# -- the report ----------------------------------------------------------------
+def test_png_report_through_the_cli(run):
+    out_png = run["dir"] / "report.png"
+    out = cli("report", str(run["jsonl"]), "-o", str(out_png))
+    assert out.returncode == 0, out.stderr
+    assert f"{STEPS} steps" in out.stdout and str(out_png) in out.stdout
+    img = mpimg.imread(out_png)
+    h, w = img.shape[:2]
+    assert 600 <= w <= 3000 and 400 <= h <= 3000 and img.shape[2] in (3, 4)
+    assert img[..., :3].std() > 0.05, "the figure is not blank"
+    assert near(img, SHRINK_RGB) >= 30, "shrink markers are drawn"
+    assert near(img, GROW_RGB) >= 30, "grow markers are drawn"
+
+
+def test_html_report_embeds_the_figure_and_the_summary(run):
+    out_html = run["dir"] / "report.html"
+    out = cli("report", str(run["jsonl"]), "-o", str(out_html))
+    assert out.returncode == 0, out.stderr
+    page = out_html.read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "run.jsonl" in page
+    assert "<img" in page and "http" not in page, "self-contained"
+    img = embedded_png(page)
+    assert img.shape[0] >= 400 and img.shape[1] >= 600
+    s, micro = run["summary"], run["micro"]
+    t = table(page)
+    assert t["steps"] == str(STEPS) == str(s["steps"])
+    assert t["OOMs recovered"] == str(s["ooms_recovered"]) == "1"
+    assert t["micro-batch changes"] == str(sum(a != b for a, b in zip(micro, micro[1:])))
+    assert f"({s['peak_bytes']:,} bytes)" in t["peak step memory"]
+    assert f"({s['budget_bytes']:,} bytes)" in t["budget"]
+    assert t["arena budget"] == f"512.0 MiB ({512 * MiB:,} bytes)"
+    _, samples, _ = read_jsonl(run["jsonl"])
+    assert f"({max(x.rss_bytes for x in samples):,} bytes)" in t["peak RSS (sampled)"]
+
+
+def test_default_output_is_a_png_beside_the_telemetry(tmp_path):
+    src = tmp_path / "leak.jsonl"
+    src.write_bytes(DEMO_TRACE.read_bytes())
+    out = cli("report", str(src))
+    assert out.returncode == 0, out.stderr
+    img = mpimg.imread(tmp_path / "leak.png")
+    assert near(img, SHRINK_RGB) < 5 and near(img, GROW_RGB) < 5, "no steps, no markers"
+
+
+def test_recorded_demo_trace(tmp_path):
+    """A schema-1 trace without arena fields or guard events."""
+    from memguard.report import report
+
+    summary = report(DEMO_TRACE, tmp_path / "demo.html")
+    assert summary.steps == 0 and summary.peak_arena_allocated_bytes is None
+    assert summary.max_level.name == "CRITICAL" and summary.high_s > 1
+    t = table((tmp_path / "demo.html").read_text(encoding="utf-8"))
+    assert t["steps"] == "0" and t["peak arena allocated"] == t["arena budget"] == "-"
+    assert t["highest pressure level"] == "CRITICAL"
+
+
+@pytest.mark.parametrize("kind", ["header_only", "samples_no_events", "sparse_fixture"])
+def test_missing_fields_and_no_events_still_give_a_report(tmp_path, kind):
+    src = tmp_path / "t.jsonl"
+    if kind == "sparse_fixture":   # every sample lacks most fields, even the level
+        src.write_bytes((FIXTURES / "traces" / "swap_storm.jsonl").read_bytes())
+    else:
+        with JsonlExporter(src) as ex:
+            if kind == "samples_no_events":
+                sampler = Sampler(budget="4GiB")
+                for _ in range(3):
+                    ex(sampler.sample_now())
+    from memguard.report import report
+
+    for ext in ("png", "html"):
+        assert report(src, tmp_path / f"r.{ext}").steps == 0
+    assert mpimg.imread(tmp_path / "r.png").shape[0] >= 400
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    embedded_png(page)
+    assert table(page)["steps"] == "0"
+
+
+def test_bad_inputs_are_clear_errors(tmp_path):
+    from memguard.report import report
+
+    missing = tmp_path / "nope.jsonl"
+    out = cli("report", str(missing), "-o", str(tmp_path / "r.png"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert str(missing) in out.stderr and "cannot read" in out.stderr
+    assert not (tmp_path / "r.png").exists()
+
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text("this is not json\n")
+    out = cli("report", str(junk), "-o", str(tmp_path / "r.png"))
+    assert out.returncode == 2 and str(junk) in out.stderr and "JSON" in out.stderr
+
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match=re.escape(repr(str(binary)))):
+        report(binary, tmp_path / "r.png")
+
+    not_objects = tmp_path / "list.jsonl"
+    not_objects.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="not memguard telemetry"):
+        report(not_objects, tmp_path / "r.png")
+
+    other = FIXTURES / "traces" / "planner_oom_then_calm.jsonl"
+    out = cli("report", str(other), "-o", str(tmp_path / "r.png"))
+    assert out.returncode == 2 and "not a memguard telemetry file" in out.stderr
+
+    with pytest.raises(ValueError, match="cannot read"):
+        report(tmp_path, tmp_path / "r.png")   # a directory
+
+    out = cli("report", str(DEMO_TRACE), "-o", str(tmp_path / "r.svg"))
+    assert out.returncode == 2 and "r.svg" in out.stderr and ".png or .html" in out.stderr
+    assert not (tmp_path / "r.svg").exists()
+
+
+def test_import_memguard_needs_neither_matplotlib_nor_tensorboard():
+    code = ("import sys, memguard, memguard.report, memguard.tensorboard, memguard.cli; "
+            "print(sorted(m for m in ('matplotlib', 'tensorboard', 'torch.utils.tensorboard') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+# -- Guard.postfix ---------------------------------------------------------------
+MEM = re.compile(r"^(?P<used>\d+(\.\d)?)/(?P<budget>\d+(\.\d)?)(?P<unit>GiB|MiB)$")
+
+
+def test_postfix_of_the_run(run):
+    p, s = run["postfix"], run["summary"]
+    assert set(p) == {"mem", "micro", "oom"}
+    assert p["micro"] == run["micro"][-1] == s["micro_batch"]
+    assert p["oom"] == s["ooms_recovered"] == 1
+    m = MEM.match(p["mem"])
+    assert m, p["mem"]
+    scale = 2**30 if m["unit"] == "GiB" else MiB
+    assert abs(float(m["used"]) * scale - run["latest_rss"]) <= 0.05 * scale + 1
+    assert abs(float(m["budget"]) * scale - s["budget_bytes"]) <= 0.05 * scale + 1
+
+
+def test_postfix_before_any_sample_and_without_budget():
+    from memguard import Guard
+
+    assert Guard(budget="4GiB", allocator=False).postfix() == \
+        {"mem": "?/4.0GiB", "micro": 0, "oom": 0}
+    assert Guard(budget="512MiB", allocator=False).postfix()["mem"] == "?/512MiB"
+    assert Guard(budget=None, allocator=False).postfix()["mem"] == "?"
+
+
+def test_postfix_in_a_tqdm_bar():
+    tqdm = pytest.importorskip("tqdm").tqdm
+    from memguard import Guard
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = Sampler(interval_ms=20)
+    guard = Guard(budget=None, micro_batch=2, allocator=False, sampler=sampler)
+    buf = io.StringIO()
+    with guard, tqdm(range(3), file=buf, mininterval=0) as bar:
+        for _ in bar:
+            guard.step(torch.randn(8, 4), lambda x: model(x).square().mean(), opt)
+            while sampler.latest() is None:
+                pass
+            bar.set_postfix(guard.postfix())
+    line = buf.getvalue().splitlines()[-1] if "\n" in buf.getvalue() else buf.getvalue()
+    assert re.search(r"mem=\d+(\.\d)?(GiB|MiB), micro=2, oom=0", line), line
+
+
+# -- the TensorBoard exporter -------------------------------------------------------
+def test_tensorboard_scalars_match_the_jsonl(run):
+    ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    ea = ea_mod.EventAccumulator(str(run["tb_dir"]))
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"memory/rss_bytes", "memory/budget_bytes", "memory/arena_allocated_bytes",
+            "pressure/level", "throttle/micro_batch", "throttle/n_micro", "throttle/retries",
+            "throttle/peak_bytes", "throttle/loss", "throttle/ooms_recovered"} <= tags
+
+    assert [(e.step, e.value) for e in ea.Scalars("throttle/micro_batch")] == \
+        list(enumerate(float(m) for m in run["micro"]))
+    _, samples, events = read_jsonl(run["jsonl"])
+    oom_step = next(e["step"] for e in events if e["event"] == "oom_recovered")
+    assert [(e.step, e.value) for e in ea.Scalars("throttle/ooms_recovered")] == \
+        [(oom_step, 1.0)]
+
+    # the same sampler fed both exporters: every JSONL sample is in TensorBoard
+    by_seq = {tag: {e.step: e.value for e in ea.Scalars(tag)}
+              for tag in ("memory/rss_bytes", "memory/arena_allocated_bytes", "pressure/level")}
+    assert len(samples) >= 10
+    for s in samples:
+        assert by_seq["memory/rss_bytes"][s.seq] == pytest.approx(s.rss_bytes, rel=1e-6)
+        assert by_seq["memory/arena_allocated_bytes"][s.seq] == \
+            pytest.approx(s.arena_allocated_bytes, rel=1e-6)
+        assert by_seq["pressure/level"][s.seq] == int(s.level)
+
+
+def test_tensorboard_exporter_direct_use(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from memguard.tensorboard import TensorBoardExporter
+
+    sampler = Sampler(budget="4GiB")
+    with TensorBoardExporter(tmp_path) as tb:
+        s = sampler.sample_now()
+        tb(s)
+        tb.event("checkpoint", step=3, blocks=2, reason="high")
+        tb.event("relieve", reason="high", seconds=0.25, arena_released_bytes=4096)
+        tb.event("relieve", reason="oom", seconds=0.5)
+        tb.event("validation_start", epoch=1, note="not a number")
+    tb.close()                      # idempotent
+    tb(s)                           # and quiet once closed
+    ea = EventAccumulator(str(tmp_path))
+    ea.Reload()
+
+    def values(tag):
+        return [(e.step, e.value) for e in ea.Scalars(tag)]
+
+    assert values("memory/budget_bytes") == [(s.seq, 4.0 * 2**30)]
+    assert values("throttle/checkpointed_blocks") == [(3, 2.0)]
+    assert values("gc/reliefs") == [(3, 1.0), (3, 2.0)]
+    assert values("gc/relief_seconds") == [(3, 0.25), (3, 0.5)]
+    assert values("events/validation_start") == [(3, 1.0)]
+    assert "memory/arena_allocated_bytes" not in ea.Tags()["scalars"], "None is left out"
