@@ -765,3 +765,27 @@ def test_loss_fn_returning_a_string():
     assert all(p.grad is None for p in m.parameters())
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before.parameters()))
     assert not opt.state
+
+
+def test_budget_covers_the_whole_process():
+    """The arena gets what the budget leaves once the memory the process
+    already holds outside it is counted; a budget below that is an error."""
+    import memguard
+    from memguard import allocator
+
+    g = memguard.Guard(budget="1MiB")
+    with pytest.raises(ValueError, match="1 MiB is below what this process already holds"):
+        g.install()
+    assert not g._installed
+    rss = memguard.sample().rss_bytes
+    g = memguard.Guard(budget=rss + (256 << 20))
+    try:
+        g.install()
+    except ValueError:
+        pytest.fail("a budget above what the process holds was refused")
+    try:
+        if g.allocator_error is None:
+            room = allocator.stats()["budget_bytes"]
+            assert 200 << 20 < room <= 256 << 20 + allocator.stats()["reserved_bytes.current"]
+    finally:
+        g.uninstall()

@@ -39,6 +39,7 @@ from memguard.distributed import PeerOOM, Peers
 from memguard.gc_hooks import GcHooks
 from memguard.gradcache import gradcache_backward
 from memguard.telemetry import Level, PressureEvent, Sampler, open_exporter
+from memguard.telemetry import sample as telemetry_sample
 
 
 class GuardOOMError(RuntimeError):
@@ -343,9 +344,10 @@ class Guard:
         if self._installed:
             return self
         if self._want_allocator and "torch" in sys.modules:
+            room = self._tensor_room()
             try:
                 was = allocator.installed()
-                allocator.install(budget=self.budget_bytes or None)
+                allocator.install(budget=room)
                 self._allocator_installed_here = not was
             except RuntimeError as exc:   # not ELF, no libc10 imports: run without it
                 self.allocator_error = str(exc)
@@ -372,6 +374,29 @@ class Guard:
         self._event("install", budget_bytes=self.budget_bytes,
                     allocator=allocator.installed(), allocator_error=self.allocator_error)
         return self
+
+    def _tensor_room(self) -> int | None:
+        """The arena's budget: what the process budget leaves for tensors
+        once the memory the process already holds outside the arena (the
+        interpreter, libraries, the model created before install) is
+        counted, so that tensors cannot take the process past its budget.
+
+        Raises:
+            ValueError: the process already holds more than the budget.
+        """
+        if not self.budget_bytes:
+            return None
+        rss = telemetry_sample().rss_bytes
+        if not rss:
+            return self.budget_bytes
+        outside = max(0, rss - int(_C.arena_stats()["reserved_bytes.current"]))
+        room = self.budget_bytes - outside
+        if room <= 0:
+            raise ValueError(
+                f"budget {self.budget_bytes / 2**20:.0f} MiB is below what this process "
+                f"already holds outside memguard's allocator ({outside / 2**20:.0f} MiB): "
+                f"raise the budget (it covers the whole process)")
+        return room
 
     def uninstall(self) -> None:
         """Stop the sampler and gc hooks; give torch's allocations back to
