@@ -32,7 +32,9 @@ def torchrun(tmp_path, *args: str) -> tuple[dict, dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node=2", str(ROOT / "tests" / "ddp_worker.py"),
            "--out", str(tmp_path), *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    path = [str(ROOT / "python"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
+               OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     try:
