@@ -28,8 +28,14 @@ test: build
 ctest: build
 	$(PY) -m pytest -q tests/test_c.py
 
+# The main job on its embedded defaults: DINO multi-crop under a budget that
+# makes the throttle act, then the report of its telemetry.
 demo: build
-	$(PY) -m memguard demo
+	@mkdir -p out
+	$(PY) examples/dino_multicrop.py --telemetry out/demo-telemetry.jsonl
+	$(PY) -m memguard report out/demo-telemetry.jsonl -o out/demo-report.png
+	$(PY) -m memguard report out/demo-telemetry.jsonl -o out/demo-report.html
+	@echo "telemetry: out/demo-telemetry.jsonl; report: out/demo-report.png (and .html)"
 
 bench: build
 	$(PY) -m pip install -q accelerate || echo "accelerate not installed: bench_throttle leaves out its column"

@@ -44,15 +44,143 @@ def check_common(s: dict) -> None:
 
 
 # -- dino_multicrop ------------------------------------------------------------
+def check_tensor_room(s: dict) -> None:
+    """The tensors stayed inside the arena's share of the process budget."""
+    if s["peak_source"] == "arena":
+        assert 0 < s["tensor_budget_bytes"] < s["budget_bytes"]
+        assert s["peak_bytes"] <= s["tensor_budget_bytes"], "the tensors passed the arena's room"
+
+
+def test_dino_multicrop(tmp_path):
+    """The centre and the EMA teacher move once per optimizer step, with the
+    teacher outputs of the whole batch however it was split."""
+    s = run_example("dino_multicrop", tmp_path)
+    check_common(s)
+    check_tensor_room(s)
+    assert s["effective_batches"] == [32] * s["steps"]   # every image's teacher outputs
+    assert s["center_updates"] == s["ema_updates"] == s["steps_done"]
+    assert s["ooms_recovered"] >= 1                      # the whole batch does not fit
+    assert all(4 <= m < 32 for m in s["micro_batches"])  # min_micro_batch .. split
+    assert s["error"] is None
 
 
 # -- moco_queue ----------------------------------------------------------------
+def test_moco_queue_v2(tmp_path):
+    """Keys enqueued once per step, a whole batch at a time: the pointer
+    advances by the effective batch and always sits on a multiple of it."""
+    s = run_example("moco_queue", tmp_path)
+    check_common(s)
+    check_tensor_room(s)
+    b, size = s["effective_batch"], s["queue_size"]
+    assert s["effective_batches"] == [b] * s["steps"]
+    assert size % b == 0
+    assert all(p % b == 0 for p in s["queue_ptrs"])
+    assert s["queue_ptrs"] == [(i + 1) * b % size for i in range(s["steps_done"])]
+    assert s["enqueued"] == s["steps_done"] * b
+    assert s["momentum_updates"] == s["steps_done"]
+    assert s["ooms_recovered"] >= 1                        # the whole batch does not fit
+    assert all(b % m == 0 and m < b for m in s["micro_batches"])   # divisor_of=batch
+
+
+def test_moco_queue_v3_gradcache(tmp_path):
+    """In-batch negatives through mode="gradcache": the loss sees the whole
+    batch's embeddings, the momentum encoder moves once per step."""
+    s = run_example("moco_queue", tmp_path, "--variant", "v3")
+    check_common(s)
+    check_tensor_room(s)
+    assert s["variant"] == "v3"
+    assert s["effective_batches"] == [64] * s["steps"]
+    assert s["momentum_updates"] == s["steps_done"]
+    assert s["ooms_recovered"] >= 1
+    assert s["queue_size"] is None and s["queue_ptrs"] == []
+
+
+def test_moco_queue_rejects_misaligned_queue(tmp_path):
+    """A queue size the batch does not divide is refused before training."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "moco_queue.py"), "--quick",
+                           "--queue-size", "1000"], check=False, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "python")))
+    assert proc.returncode == 2
+    assert "multiple of --batch" in proc.stderr
 
 
 # -- dinov3_lora_cpu -----------------------------------------------------------
+# One torch thread: where the tests share two cores with other work, two
+# OpenMP threads spend most of a step waiting for each other.
+ONE_THREAD = ("--threads", "1")
+
+
+def test_dinov3_lora_cpu(tmp_path):
+    """Only the adapters and the head train; every validation predicts the
+    whole set under guard.evaluate(), and its memory does not grow with the
+    predictions kept: they hold their values only, and validations at one
+    micro-batch size peak alike."""
+    s = run_example("dinov3_lora_cpu", tmp_path, *ONE_THREAD)
+    check_common(s)
+    assert s["effective_batches"] == [32] * s["steps"]
+    assert s["ooms_recovered"] >= 1                       # the whole batch does not fit
+    assert all(4 <= m < 32 for m in s["micro_batches"])   # min_micro_batch .. split
+    names = s["trainable_names"]
+    assert names and all(".lora_" in n or ".head.modules_to_save." in n for n in names)
+    assert any(".lora_" in n for n in names) and any(".head." in n for n in names)
+    assert not any("patch_embed" in n for n in names)    # LoRA on the blocks only
+    assert 0 < s["trainable_params"] < s["total_params"] / 5
+    n_val = len(s["val_predictions"])
+    assert n_val >= 2
+    assert s["val_predictions"] == [s["val_size"]] * n_val
+    # kept predictions: a float each (twice: the list and its concatenation),
+    # no graph; the original loop's kept a batch's activations each
+    assert all(0 < h <= 4 * 4 * s["val_size"] for h in s["val_held_bytes"])
+    # batch after batch, the arena's peak stays where the first batch put it
+    # (kept with their graphs, each prediction would add a batch's activations)
+    full = s["val_size"] // s["val_batch"]
+    for peaks in s["val_batch_peaks"]:
+        assert len(peaks) == -(-s["val_size"] // s["val_batch"])
+        assert max(peaks) <= 1.2 * min(peaks[:full]), "validation memory grew"
+    # and from one validation to the next at the same micro-batch size
+    by_micro: dict = {}
+    for m, peak in zip(s["val_micro_batches"], s["val_peaks"]):
+        by_micro.setdefault(m, []).append(peak)
+    for peaks in by_micro.values():
+        assert max(peaks) <= 1.2 * min(peaks), "validation memory grew"
+    assert max(s["val_peaks"]) < s["peak_bytes"]          # no graph: less than training
+    assert s["val_mse"][-1] < s["val_mse"][0]             # and it learns
+    assert s["peak_bytes"] <= s["tensor_budget_bytes"] < s["budget_bytes"]
 
 
 # -- dual_cross_attention ------------------------------------------------------
+def _check_pairs(s: dict) -> None:
+    """Pairs stay whole: every micro-batch even (multiple_of=2), none cut a
+    pair, and each step's gradients come from the whole batch of 16."""
+    assert s["effective_batches"] == [16] * s["steps"]
+    assert all(m % 2 == 0 and 2 <= m <= 16 for m in s["micro_batches"])
+    assert s["micro_batches_even"] and s["broken_pairs"] == 0
+    assert len(s["checkpointed_blocks"]) == s["steps_done"]
+    assert s["peak_bytes"] <= s["tensor_budget_bytes"] < s["budget_bytes"]
+
+
+def test_dual_cross_attention(tmp_path):
+    """The whole batch of pairs does not fit: the step is redone in even
+    micro-batches, and the effective batch stays 16."""
+    s = run_example("dual_cross_attention", tmp_path, *ONE_THREAD)
+    check_common(s)
+    _check_pairs(s)
+    assert s["ooms_recovered"] >= 1
+    assert s["micro_batches"][0] < 16
+
+
+def test_dual_cross_attention_checkpoint_switch(tmp_path):
+    """With every block checkpointed the whole batch fits; once calm,
+    memguard switches checkpointing off a quarter of the blocks at a time."""
+    s = run_example("dual_cross_attention", tmp_path, "--checkpoint-blocks", "4", *ONE_THREAD)
+    _check_pairs(s)
+    assert s["steps_done"] == s["steps"]
+    ck = s["checkpointed_blocks"]
+    assert ck[0] == s["blocks"] == 4
+    assert all(b <= a for a, b in zip(ck, ck[1:])), "checkpointing came back while calm"
+    assert ck[-1] < 4, "checkpointing was never switched off"
+    assert s["micro_batches"][0] == 16
 
 
 # -- dreams_lightning ----------------------------------------------------------

@@ -68,6 +68,7 @@ class Accumulator:
         self._backward = backward
         self.weight = 0.0          # summed weights of the micro-batches so far
         self.micro_batches = 0
+        self._normalized = False
         self._loss: torch.Tensor | None = None  # weighted loss sum, detached
 
     def _params(self) -> list[torch.Tensor]:
@@ -119,15 +120,20 @@ class Accumulator:
         self.optimizer.zero_grad(set_to_none=True)
         self.weight = 0.0
         self.micro_batches = 0
+        self._normalized = False
         self._loss = None
 
-    def step(self) -> float:
-        """Normalise, unscale, clip, step the optimizer (through the scaler)
-        and zero the gradients. Returns the step's mean loss.
+    def normalize(self) -> None:
+        """Divide the summed gradients by the summed weights (once; with a
+        known ``total_weight`` they are already the mean's). Under DDP this
+        runs before the gradients are averaged over the ranks, so each rank
+        contributes its own weighted mean, as a plain DDP loss would.
 
         Raises:
             ValueError: nothing was accumulated, or the weights sum to 0.
         """
+        if self._normalized:
+            return
         if self.micro_batches == 0 or self.weight == 0:
             raise ValueError("nothing to step: no micro-batch with a positive weight was "
                              "accumulated")
@@ -139,6 +145,16 @@ class Accumulator:
                 1e-6 * self.total_weight:
             raise ValueError(f"the micro-batches' weights sum to {self.weight:g}, not the "
                              f"step's total_weight {self.total_weight:g}")
+        self._normalized = True
+
+    def step(self) -> float:
+        """Normalise, unscale, clip, step the optimizer (through the scaler)
+        and zero the gradients. Returns the step's mean loss.
+
+        Raises:
+            ValueError: nothing was accumulated, or the weights sum to 0.
+        """
+        self.normalize()
         if self.scaler is not None:
             if self.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)

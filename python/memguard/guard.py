@@ -544,6 +544,12 @@ class Guard:
 
             def agree_ok(micro: int = micro) -> None:
                 nonlocal agreed_once, used_anywhere
+                if deferred:
+                    acc.normalize()     # each rank's weighted mean, then the average
+                elif acc.total_weight is None:
+                    raise ValueError("ddp_overlap=True cannot weight micro-batches by the "
+                                     "caller's weights (DDP averages before they are known "
+                                     "on every rank); leave ddp_overlap off")
                 used = peers.prepare(deferred)
                 agreed_once = True
                 res = peers.agree([0, micro] + [-u for u in used])
