@@ -639,3 +639,30 @@ def test_a_recovered_step_reports_the_retry_peak_not_the_failed_attempt():
     assert res.retries == 1 and res.micro_batch == BATCH // 2
     assert guard.peak_source == ref.peak_source
     assert res.peak_bytes < ref_peak + (32 << 20)
+
+
+def test_the_failed_attempts_pressure_is_not_counted_again():
+    """The pressure a failed attempt caused (HIGH while it filled memory)
+    was answered by the OOM's shrink; the next boundary acts on the retry's
+    samples only, so the size is not halved a second time."""
+    import types
+
+    m = Moco()
+    xs = _xs(2)
+    guard = Guard(budget=None, allocator=False)
+    failed = []
+
+    def loss_fn(micro):
+        if not failed:
+            failed.append(True)
+            guard._on_sample(types.SimpleNamespace(level=Level.HIGH, raw_level=Level.HIGH))
+            raise RuntimeError(CPU_OOM)
+        return m.loss_fn(micro)
+
+    first = guard.step(xs[0], loss_fn, m.opt)
+    assert first.retries == 1 and first.micro_batch == BATCH // 2
+    # the sampler's hysteresis level is back to OK by now; no sample of the
+    # retry reached HIGH
+    guard._on_sample(types.SimpleNamespace(level=Level.OK, raw_level=Level.OK))
+    second = guard.step(xs[1], m.loss_fn, m.opt)
+    assert second.micro_batch == BATCH // 2, guard.plan()

@@ -614,6 +614,8 @@ class Guard:
                 peers.reset()
             self.gc.relieve_oom()
             self._peak.start(batch)   # the peak the planner learns is the retry's
+            with self._level_lock:    # and the pressure the next boundary acts on:
+                self._max_raw = Level.OK   # the OOM already shrank for the failed one
             self.ooms_recovered += 1
             self.micro_batch_changes += 1
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
