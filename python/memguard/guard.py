@@ -558,6 +558,7 @@ class Guard:
                 used_anywhere = [v < 0 for v in res[2:]]
 
             peer_oom = None
+            cause = None      # set when nothing smaller is left: the step gives up
             try:
                 with peers.attempt(deferred) if peers is not None else contextlib.nullcontext():
                     if embed_fn is not None:
@@ -579,6 +580,8 @@ class Guard:
                 nxt = exc.next
                 if nxt:
                     self._planner.agree(nxt, failed=exc.failed)
+                else:
+                    cause = exc
             except Exception as exc:
                 if not allocator.is_oom(exc):
                     acc.reset()
@@ -595,18 +598,14 @@ class Guard:
                         self._planner.agree(res[1])
                     nxt = res[1]
                 if not nxt:
-                    acc.reset()
-                    snapshot.restore()
-                    if peers is not None:
-                        peers.reset()
-                    self._event("oom_gave_up", tried=tried)
-                    raise GuardOOMError(tried, self.min_micro_batch) from exc
-            if peer_oom is not None and not nxt:
+                    cause = exc
+            if cause is not None:
                 acc.reset()
                 snapshot.restore()
-                peers.reset()
-                self._event("oom_gave_up", tried=tried, peer=True)
-                raise GuardOOMError(tried, self.min_micro_batch) from peer_oom
+                if peers is not None:
+                    peers.reset()
+                self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
+                raise GuardOOMError(tried, self.min_micro_batch) from cause
             # out of the except block: the failed attempt's frames are gone
             acc.reset()
             snapshot.restore()

@@ -278,14 +278,13 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
         ddp.require_backward_grad_sync = False
     logs = _LogCollector()
     real_log = self.log
+    current_weight = [1.0]     # the running micro-batch's weight, for its logs
 
     def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
         if a:
             raise TypeError("inside a MemGuardModule's training_step, pass self.log's options "
                             "by keyword")
         logs.calls.append((logs.call, name, value, kw, current_weight[0]))
-
-    current_weight = [1.0]
 
     def loss_fn(micro: Any) -> Any:
         current_weight[0] = float(_batch.batch_size(micro))
