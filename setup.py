@@ -16,6 +16,9 @@ CFLAGS = [
     "-DMG_BUILDING",
     # CPython's own headers trip these; our code is checked by the C tests too.
     "-Wno-missing-field-initializers",
+    # mg_cuda_alloc throws C++ exceptions through PyTorch: keep every
+    # frame unwindable
+    "-fexceptions",
 ]
 
 core = sorted(glob("csrc/core/*.c"))

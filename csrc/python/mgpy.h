@@ -48,6 +48,15 @@ PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused);
 PyObject *mgpy_system_trim(PyObject *m, PyObject *unused);
 
+/* cuda.c */
+PyObject *mgpy_cuda_init(PyObject *m, PyObject *args, PyObject *kw);
+PyObject *mgpy_cuda_backend(PyObject *m, PyObject *unused);
+PyObject *mgpy_cuda_stats(PyObject *m, PyObject *arg);
+PyObject *mgpy_cuda_set_budget(PyObject *m, PyObject *args);
+PyObject *mgpy_cuda_trim(PyObject *m, PyObject *args);
+PyObject *mgpy_cuda_reset_peaks(PyObject *m, PyObject *arg);
+PyObject *mgpy_cuda_host_used(PyObject *m, PyObject *unused);
+
 /* sampler.c, pressure.c: type specs */
 extern PyType_Spec mgpy_sampler_spec;
 extern PyType_Spec mgpy_pressure_spec;
