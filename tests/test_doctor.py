@@ -15,7 +15,10 @@ from memguard import doctor
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 ITEMS = ["platform", "memory", "swap", "PSI", "cgroup", "THP", "overcommit", "jemalloc",
-         "torch", "sampler"]
+         "torch", "cuda allocator", "sampler"]
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+OLD, NEW = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
 
 
 def run_doctor(*args: str) -> subprocess.CompletedProcess:
@@ -165,7 +168,7 @@ def test_text_report_is_two_columns() -> None:
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "memguard doctor"
-    starts = [ln.split()[0] for ln in lines[2:] if ln.startswith("  ") and ln[2] != " "]
+    starts = [ln[2:].split("  ")[0] for ln in lines[2:] if ln.startswith("  ") and ln[2] != " "]
     assert starts == ITEMS
     assert "import not tried" in r.stdout
 
@@ -197,3 +200,157 @@ def test_psi_absent_falls_back_to_headroom_and_faults(monkeypatch: pytest.Monkey
     assert item == "PSI"
     assert found.endswith("pressure/memory absent")
     assert can == "pressure comes from headroom and faults only"
+
+
+def test_cuda_allocator_row_without_telemetry_reports_the_setting(
+        rows: dict[str, tuple[str, str]]) -> None:
+    found, can = rows["cuda allocator"]
+    assert found == "no CUDA figures (reserved and allocated bytes unknown)"
+    on = any(doctor.expandable_on(os.environ.get(n)) for n in (OLD, NEW))
+    assert can.startswith("expandable_segments is already on (" if on
+                          else "expandable_segments is not on (")
+    assert can.endswith("memguard doctor --telemetry RUN.jsonl")
+
+
+def test_fragmentation_threshold_both_sides() -> None:
+    gap = doctor.FRAGMENTATION_MIN_BYTES
+    assert gap == 512 * MiB and doctor.FRAGMENTATION_RATIO == 1.5
+    assert doctor.fragmented(gap * 2, gap * 3)          # exactly 1.5x and exactly 512 MiB
+    assert not doctor.fragmented(gap * 2, gap * 3 - 1)  # a byte under both
+    assert not doctor.fragmented(4 * GiB, 6 * GiB - 1)  # 1.5x less a byte
+    assert doctor.fragmented(4 * GiB, 6 * GiB)
+    assert not doctor.fragmented(100 * MiB, 600 * MiB)  # 6x but only 500 MiB cached
+    assert doctor.fragmented(100 * MiB, 612 * MiB)
+    assert doctor.fragmented(0, gap)
+
+
+def test_advice_on_the_fragmented_side_gives_the_export_line() -> None:
+    found, advice = doctor.expandable_segments_advice(4 * GiB, 6 * GiB, {})
+    assert found == ("reserved 6.0 GiB, allocated 4.0 GiB (1.5x): 2.0 GiB held in cached "
+                     "segments but not allocated (fragmentation)")
+    assert advice.endswith(": export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                           "PYTORCH_ALLOC_CONF=expandable_segments:True")
+    assert "cannot be reused for allocations of other sizes" in advice
+    assert "grow in place" in advice
+    assert f"is not on ({OLD} unset, {NEW} unset)" in advice
+
+
+def test_advice_below_the_threshold_says_fine_and_gives_the_setting() -> None:
+    env = {OLD: "max_split_size_mb:128"}
+    found, advice = doctor.expandable_segments_advice(4 * GiB, 6 * GiB - 1, env)
+    assert "fragmentation" not in found
+    assert advice.startswith("reserved/allocated figures are fine")
+    assert advice.endswith(f"expandable_segments is not on ({OLD}=max_split_size_mb:128, "
+                           f"{NEW} unset)")
+    assert "export" not in advice
+    found, advice = doctor.expandable_segments_advice(3 * GiB, 3 * GiB + 511 * MiB, env)
+    assert advice.startswith("reserved/allocated figures are fine")
+
+
+def test_advice_merges_with_the_options_of_each_variable() -> None:
+    env = {OLD: "max_split_size_mb:128", NEW: "garbage_collection_threshold:0.6"}
+    _, advice = doctor.expandable_segments_advice(1 * GiB, 2 * GiB, env)
+    assert advice.endswith(
+        f"export {OLD}=max_split_size_mb:128,expandable_segments:True "
+        f"{NEW}=garbage_collection_threshold:0.6,expandable_segments:True")
+
+
+def test_merge_alloc_conf_replaces_an_explicit_false() -> None:
+    assert doctor.merge_alloc_conf(None) == "expandable_segments:True"
+    assert doctor.merge_alloc_conf("") == "expandable_segments:True"
+    assert (doctor.merge_alloc_conf("expandable_segments:False,max_split_size_mb:64")
+            == "expandable_segments:True,max_split_size_mb:64")
+    assert (doctor.merge_alloc_conf(" max_split_size_mb:64 , expandable_segments : false,"
+                                    "expandable_segments:False")
+            == "max_split_size_mb:64,expandable_segments:True")
+    env = {OLD: "expandable_segments:False", NEW: "max_split_size_mb:64"}
+    assert not doctor.expandable_on(env[OLD])
+    _, advice = doctor.expandable_segments_advice(1 * GiB, 2 * GiB, env)
+    assert advice.endswith(f"export {OLD}=expandable_segments:True "
+                           f"{NEW}=max_split_size_mb:64,expandable_segments:True")
+    assert advice.count("expandable_segments:False") == 1  # in the setting shown, not the line
+
+
+@pytest.mark.parametrize("env", [
+    {OLD: "expandable_segments:True"},
+    {NEW: "max_split_size_mb:64,expandable_segments:TRUE"},
+    {OLD: "expandable_segments:False", NEW: "expandable_segments:1"},
+])
+def test_already_on_in_either_variable(env: dict[str, str]) -> None:
+    found, advice = doctor.expandable_segments_advice(1 * GiB, 2 * GiB, env)
+    assert found.endswith("(fragmentation)")
+    assert advice.startswith("expandable_segments is already on (")
+    assert "nothing to set" in advice
+    assert "export" not in advice
+    _, advice = doctor.expandable_segments_advice(None, None, env)
+    assert advice.startswith("expandable_segments is already on (")
+
+
+def test_no_figures_gives_the_setting_and_how_to_get_them() -> None:
+    found, advice = doctor.expandable_segments_advice(None, 2 * GiB, {NEW: "expandable_segments:0"})
+    assert found == "no CUDA figures (reserved and allocated bytes unknown)"
+    assert advice == (f"expandable_segments is not on ({OLD} unset, "
+                      f"{NEW}=expandable_segments:0); for reserved and allocated figures "
+                      f"from a run: memguard doctor --telemetry RUN.jsonl")
+
+
+def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, tuple[str, str]]:
+    """Run ``doctor.main`` in this process with ``--no-torch --json``.
+
+    Args:
+        capsys: pytest's output capture.
+        args: extra command-line arguments.
+
+    Returns:
+        ``{item: (found, memguard)}``.
+    """
+    assert doctor.main([*args, "--no-torch", "--json"]) == 0
+    out = capsys.readouterr().out
+    return {row["item"]: (row["found"], row["memguard"]) for row in json.loads(out)}
+
+
+def test_telemetry_file_gives_the_worst_sample(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OLD, "max_split_size_mb:128")
+    monkeypatch.delenv(NEW, raising=False)
+    lines = [
+        {"type": "meta", "schema": "memguard.telemetry", "schema_version": 2},
+        {"type": "sample", "seq": 1, "rss_bytes": 1000},  # no CUDA fields
+        {"type": "sample", "seq": 2, "cuda_allocated_bytes": 3 * GiB,
+         "cuda_reserved_bytes": 4 * GiB, "cuda_reserved_peak_bytes": 4 * GiB,
+         "cuda_alloc_retries": 0},
+        {"type": "sample", "seq": 3, "cuda_allocated_bytes": 2 * GiB,
+         "cuda_reserved_bytes": 5 * GiB, "cuda_reserved_peak_bytes": 5 * GiB,
+         "cuda_alloc_retries": 1},
+        {"type": "event", "event": "oom_recovered", "t": 1.0, "seq": 4,
+         "cuda_allocated_bytes": 1, "cuda_reserved_bytes": 100 * GiB},
+        {"type": "sample", "seq": 5, "cuda_allocated_bytes": 4 * GiB,
+         "cuda_reserved_bytes": 4 * GiB + 1, "cuda_reserved_peak_bytes": 6 * GiB,
+         "cuda_alloc_retries": 3},
+        {"type": "sample", "seq": 6, "cuda_allocated_bytes": None, "cuda_reserved_bytes": None},
+    ]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n[1, 2]\n")
+    found, can = doctor_json(capsys, "--telemetry", str(path))["cuda allocator"]
+    assert found == (f"at the largest reserved of 3 samples in {path} (seq 3): reserved "
+                     f"5.0 GiB, allocated 2.0 GiB (2.5x): 3.0 GiB held in cached segments but "
+                     f"not allocated (fragmentation); reserved peak 6.0 GiB; 3 allocation "
+                     f"retries (the caching allocator freed its cache and retried: thrashing)")
+    assert can.endswith(f"export {OLD}=max_split_size_mb:128,expandable_segments:True "
+                        f"{NEW}=expandable_segments:True")
+
+
+def test_telemetry_without_cuda_figures_or_missing(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "cpu.jsonl"
+    path.write_text(json.dumps({"type": "sample", "seq": 1, "rss_bytes": 1}) + "\n")
+    found, can = doctor_json(capsys, "--telemetry", str(path))["cuda allocator"]
+    assert found == (f"no samples with CUDA figures in {path}; no CUDA figures "
+                     f"(reserved and allocated bytes unknown)")
+    assert can.endswith("memguard doctor --telemetry RUN.jsonl")
+    missing = tmp_path / "missing.jsonl"
+    rows = doctor_json(capsys, "--telemetry", str(missing))
+    assert list(rows) == ITEMS
+    assert rows["cuda allocator"][0].startswith(f"telemetry {missing} absent; ")
+    found, _ = doctor_json(capsys, "--telemetry", str(tmp_path))["cuda allocator"]
+    assert found.startswith(f"telemetry {tmp_path} unreadable ({os.strerror(errno.EISDIR)}); ")

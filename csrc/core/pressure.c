@@ -84,6 +84,26 @@ static double max_known(double a, double b)
     return a > b ? a : b;
 }
 
+int mg_pressure_cuda_level(const mg_pressure_opts_t *o, mg_sample_t *s, uint32_t *reasons)
+{
+    int raw = MG_LEVEL_OK;
+    uint32_t why = 0;
+    if (s->have & MG_HAVE_CUDA) {
+        if (s->cuda_budget_bytes) {
+            s->have |= MG_HAVE_CUDA_BUDGET;
+            s->cuda_budget_used_fraction =
+                (double)s->cuda_allocated_bytes / (double)s->cuda_budget_bytes;
+            consider(above(s->cuda_budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw,
+                     &why);
+        }
+        if (s->cuda_new_retries)
+            consider(MG_LEVEL_HIGH, MG_REASON_CUDA_RETRIES, &raw, &why);
+    }
+    if (reasons)
+        *reasons = why;
+    return raw;
+}
+
 int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
 {
     const mg_pressure_opts_t *o = &p->opts;
@@ -130,6 +150,10 @@ int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
              MG_REASON_PSI, &raw, &reasons);
     consider(above(s->swap_in_pages_per_s, o->swap_in), MG_REASON_SWAP, &raw, &reasons);
     consider(above(s->major_faults_per_s, o->major_faults), MG_REASON_FAULTS, &raw, &reasons);
+    uint32_t cuda_reasons;
+    int cuda = mg_pressure_cuda_level(o, s, &cuda_reasons);
+    if (cuda_reasons)
+        consider(cuda, cuda_reasons, &raw, &reasons);
 
     s->raw_level = raw;
     s->reasons = reasons;

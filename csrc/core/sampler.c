@@ -42,6 +42,13 @@ struct mg_sampler {
     clockid_t cpu_clock;             /* the running thread's CPU clock (op_lock) */
     _Atomic uint64_t cpu_ns_before;  /* thread CPU time of finished runs */
 
+    /* cuda_lock guards the pushed CUDA counters. */
+    pthread_mutex_t cuda_lock;
+    int have_cuda;
+    mg_cuda_counters_t cuda;
+    int64_t cuda_pushed_ns;
+    uint64_t cuda_new_retries; /* rise not yet carried by a sample */
+
     /* ring_lock guards ring and seq (the seq of the newest sample). */
     pthread_mutex_t ring_lock;
     mg_sample_t *ring;
@@ -61,12 +68,14 @@ static void fork_prepare(void)
     for (mg_sampler_t *s = reg_head; s; s = s->next) {
         pthread_mutex_lock(&s->op_lock);
         pthread_mutex_lock(&s->ring_lock);
+        pthread_mutex_lock(&s->cuda_lock);
     }
 }
 
 static void fork_parent(void)
 {
     for (mg_sampler_t *s = reg_head; s; s = s->next) {
+        pthread_mutex_unlock(&s->cuda_lock);
         pthread_mutex_unlock(&s->ring_lock);
         pthread_mutex_unlock(&s->op_lock);
     }
@@ -89,6 +98,7 @@ static void fork_child(void)
     for (mg_sampler_t *s = reg_head; s; s = s->next) {
         pthread_mutex_init(&s->ring_lock, NULL);
         pthread_mutex_init(&s->op_lock, NULL);
+        pthread_mutex_init(&s->cuda_lock, NULL);
         s->running = 0; /* the thread's CPU time died with it */
         mgi_sources_forget(&s->src);
         s->src_open = 0;
@@ -185,6 +195,7 @@ int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
     atomic_init(&s->cpu_ns_before, 0);
     pthread_mutex_init(&s->op_lock, NULL);
     pthread_mutex_init(&s->ring_lock, NULL);
+    pthread_mutex_init(&s->cuda_lock, NULL);
     for (int i = 0; i < MGI_SRC_COUNT; i++)
         s->src.fd[i] = -1;
     s->stop_fd = s->level_fd = s->sample_fd = s->wake_fd = -1;
@@ -208,6 +219,48 @@ int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
     return 0;
 }
 
+/* Copy pushed CUDA counters into a sample. */
+static void cuda_into(mg_sample_t *s, const mg_cuda_counters_t *c, uint64_t new_retries)
+{
+    s->have |= MG_HAVE_CUDA;
+    s->cuda_device = c->device;
+    s->cuda_allocated_bytes = c->allocated_bytes;
+    s->cuda_reserved_bytes = c->reserved_bytes;
+    s->cuda_active_bytes = c->active_bytes;
+    s->cuda_allocated_peak_bytes = c->allocated_peak_bytes;
+    s->cuda_reserved_peak_bytes = c->reserved_peak_bytes;
+    s->cuda_alloc_retries = c->alloc_retries;
+    s->cuda_ooms = c->ooms;
+    s->cuda_new_retries = new_retries;
+    s->cuda_free_bytes = c->free_bytes;
+    s->cuda_total_bytes = c->total_bytes;
+    s->cuda_budget_bytes = c->budget_bytes;
+}
+
+int mg_sampler_push_cuda(mg_sampler_t *s, const mg_cuda_counters_t *c, int *raw_level)
+{
+    if (!c)
+        return EINVAL;
+    pthread_mutex_lock(&s->cuda_lock);
+    uint64_t rise = 0;
+    /* the same device's counters only grow; a new device (or a reset)
+     * starts a new baseline */
+    if (s->have_cuda && s->cuda.device == c->device && c->alloc_retries > s->cuda.alloc_retries)
+        rise = c->alloc_retries - s->cuda.alloc_retries;
+    s->cuda = *c;
+    s->have_cuda = 1;
+    s->cuda_pushed_ns = mgi_clock_ns(CLOCK_MONOTONIC);
+    s->cuda_new_retries += rise;
+    pthread_mutex_unlock(&s->cuda_lock);
+    if (raw_level) {
+        mg_sample_t one;
+        mgi_sample_init(&one);
+        cuda_into(&one, c, rise);
+        *raw_level = mg_pressure_cuda_level(&s->popts, &one, NULL);
+    }
+    return 0;
+}
+
 /* Read, derive, judge and publish one sample. Runs on the sampler thread or,
  * when it is not running, on a caller holding op_lock. */
 static void take_sample(mg_sampler_t *s, mg_sample_t *out)
@@ -218,6 +271,13 @@ static void take_sample(mg_sampler_t *s, mg_sample_t *out)
     cur.t_ns = mgi_clock_ns(CLOCK_REALTIME);
     mgi_sources_read(&s->src, &cur, s->pressure.level >= MG_LEVEL_ELEVATED);
     mgi_read_arena(&cur);
+    pthread_mutex_lock(&s->cuda_lock);
+    if (s->have_cuda) {
+        cuda_into(&cur, &s->cuda, s->cuda_new_retries);
+        cur.cuda_age_ns = cur.mono_ns - s->cuda_pushed_ns;
+        s->cuda_new_retries = 0;
+    }
+    pthread_mutex_unlock(&s->cuda_lock);
     if (s->have_prev)
         mgi_sample_deltas(&s->prev, &cur);
     cur.budget_bytes = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed);
@@ -447,6 +507,7 @@ void mg_sampler_destroy(mg_sampler_t *s)
     close_fd(&s->wake_fd);
     pthread_mutex_destroy(&s->op_lock);
     pthread_mutex_destroy(&s->ring_lock);
+    pthread_mutex_destroy(&s->cuda_lock);
     free(s->ring);
     free(s);
 }

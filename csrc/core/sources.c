@@ -474,6 +474,8 @@ void mgi_sample_init(mg_sample_t *s)
     s->cgroup_psi_some_stall = s->cgroup_psi_full_stall = NAN;
     s->budget_used_fraction = s->headroom_fraction = NAN;
     s->arena_budget_used_fraction = NAN;
+    s->cuda_budget_used_fraction = NAN;
+    s->cuda_device = -1;
 }
 
 void mgi_read_arena(mg_sample_t *s)

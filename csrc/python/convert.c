@@ -6,7 +6,7 @@
 
 #include "mgpy.h"
 
-typedef enum { F_U64, F_F64, F_I32 } ftype_t;
+typedef enum { F_U64, F_F64, F_I32, F_I64 } ftype_t;
 
 typedef struct field {
     const char *name;
@@ -18,6 +18,7 @@ typedef struct field {
 #define U(f, h) {#f, offsetof(mg_sample_t, f), F_U64, h}
 #define D(f, h) {#f, offsetof(mg_sample_t, f), F_F64, h}
 #define I(f, h) {#f, offsetof(mg_sample_t, f), F_I32, h}
+#define I64(f, h) {#f, offsetof(mg_sample_t, f), F_I64, h}
 
 static const field_t fields[] = {
     U(seq, 0),
@@ -47,10 +48,20 @@ static const field_t fields[] = {
     U(arena_allocated_bytes, MG_HAVE_ARENA), U(arena_reserved_bytes, MG_HAVE_ARENA),
     U(arena_cached_bytes, MG_HAVE_ARENA), U(arena_budget_bytes, MG_HAVE_ARENA),
     U(arena_ooms, MG_HAVE_ARENA), D(arena_budget_used_fraction, 0),
+    I(cuda_device, MG_HAVE_CUDA),
+    U(cuda_allocated_bytes, MG_HAVE_CUDA), U(cuda_reserved_bytes, MG_HAVE_CUDA),
+    U(cuda_active_bytes, MG_HAVE_CUDA),
+    U(cuda_allocated_peak_bytes, MG_HAVE_CUDA), U(cuda_reserved_peak_bytes, MG_HAVE_CUDA),
+    U(cuda_alloc_retries, MG_HAVE_CUDA), U(cuda_ooms, MG_HAVE_CUDA),
+    U(cuda_new_retries, MG_HAVE_CUDA),
+    U(cuda_free_bytes, MG_HAVE_CUDA), U(cuda_total_bytes, MG_HAVE_CUDA),
+    U(cuda_budget_bytes, MG_HAVE_CUDA), I64(cuda_age_ns, MG_HAVE_CUDA),
+    D(cuda_budget_used_fraction, 0),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 
-static const char *const reason_names[] = {"budget", "headroom", "psi", "swap", "faults"};
+static const char *const reason_names[] = {"budget", "headroom", "psi", "swap", "faults",
+                                           "cuda_retries"};
 
 static PyObject *field_value(const mg_sample_t *s, const field_t *f)
 {
@@ -62,6 +73,8 @@ static PyObject *field_value(const mg_sample_t *s, const field_t *f)
         return PyLong_FromUnsignedLongLong(*(const uint64_t *)p);
     case F_I32:
         return PyLong_FromLong(*(const int32_t *)p);
+    case F_I64:
+        return PyLong_FromLongLong(*(const int64_t *)p);
     default: {
         double v = *(const double *)p;
         if (isnan(v))
@@ -149,6 +162,11 @@ int mgpy_sample_from_dict(PyObject *d, mg_sample_t *s)
             if (x == -1 && PyErr_Occurred())
                 return -1;
             *(int32_t *)p = (int32_t)x;
+        } else if (f->type == F_I64) {
+            long long x = PyLong_AsLongLong(v);
+            if (x == -1 && PyErr_Occurred())
+                return -1;
+            *(int64_t *)p = (int64_t)x;
         } else {
             unsigned long long x = PyLong_AsUnsignedLongLong(v);
             if (x == (unsigned long long)-1 && PyErr_Occurred())

@@ -229,6 +229,60 @@ static PyObject *Sampler_set_budget(SamplerObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* A CUDA device's counters from a dict with the mg_cuda_counters_t names;
+ * missing or None entries read 0 ("device" -1). */
+static PyObject *Sampler_push_cuda(SamplerObject *self, PyObject *arg)
+{
+    if (!ready(self))
+        return NULL;
+    if (!PyDict_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "push_cuda takes a dict of counters");
+        return NULL;
+    }
+    mg_cuda_counters_t c = {.device = -1};
+    static const struct {
+        const char *name;
+        size_t off;
+    } keys[] = {
+#define K(f) {#f, offsetof(mg_cuda_counters_t, f)}
+        K(allocated_bytes), K(reserved_bytes), K(active_bytes), K(allocated_peak_bytes),
+        K(reserved_peak_bytes), K(alloc_retries), K(ooms), K(free_bytes), K(total_bytes),
+        K(budget_bytes),
+#undef K
+    };
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(arg, &pos, &k, &v)) {
+        const char *name = PyUnicode_AsUTF8(k);
+        if (!name)
+            return NULL;
+        if (v == Py_None)
+            continue;
+        if (strcmp(name, "device") == 0) {
+            long d = PyLong_AsLong(v);
+            if (d == -1 && PyErr_Occurred())
+                return NULL;
+            c.device = (int32_t)d;
+            continue;
+        }
+        size_t i;
+        for (i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+            if (strcmp(name, keys[i].name) == 0)
+                break;
+        if (i == sizeof(keys) / sizeof(keys[0]))
+            return PyErr_Format(PyExc_ValueError, "unknown CUDA counter %R", k);
+        unsigned long long x = PyLong_AsUnsignedLongLong(v);
+        if (x == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        *(uint64_t *)((char *)&c + keys[i].off) = x;
+    }
+    int level = 0;
+    int rc = mg_sampler_push_cuda(self->s, &c, &level);
+    if (rc)
+        return mgpy_raise(rc, "mg_sampler_push_cuda");
+    return PyLong_FromLong(level);
+}
+
 static PyObject *Sampler_level_fd(SamplerObject *self, PyObject *unused)
 {
     (void)unused;
@@ -252,6 +306,9 @@ static PyMethodDef Sampler_methods[] = {
      "Wake wait() after every sample (True) or on level changes only."},
     {"cpu_ns", (PyCFunction)Sampler_cpu_ns, METH_NOARGS, "CPU time of the sampling thread."},
     {"set_budget", (PyCFunction)Sampler_set_budget, METH_O, "Budget in bytes (0: none)."},
+    {"push_cuda", (PyCFunction)Sampler_push_cuda, METH_O,
+     "push_cuda(counters) -> raw level of the CUDA signals: hand the sampler a CUDA "
+     "device's allocator counters (later samples carry them)."},
     {"level_fd", (PyCFunction)Sampler_level_fd, METH_NOARGS, "The level-change eventfd."},
     {NULL, NULL, 0, NULL},
 };

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define MG_SAMPLE_VERSION 2
+#define MG_SAMPLE_VERSION 3
 
 /** Bits of mg_sample_t.have. */
 enum {
@@ -31,6 +31,8 @@ enum {
     MG_HAVE_BUDGET = 1u << 15,       /**< budget_bytes, budget_used_fraction */
     MG_HAVE_HEADROOM = 1u << 16,     /**< headroom_fraction */
     MG_HAVE_ARENA = 1u << 17,        /**< arena_* (memguard's allocator is in use) */
+    MG_HAVE_CUDA = 1u << 18,         /**< cuda_* (pushed by mg_sampler_push_cuda) */
+    MG_HAVE_CUDA_BUDGET = 1u << 19,  /**< cuda_budget_used_fraction (a CUDA budget is set) */
 };
 
 /** One telemetry sample. */
@@ -84,6 +86,21 @@ typedef struct mg_sample {
     uint64_t arena_budget_bytes;     /**< 0: the arena has no budget */
     uint64_t arena_ooms;             /**< allocations refused by the arena's budget */
     double arena_budget_used_fraction; /**< (reserved - cached) / budget; NaN without one */
+
+    /* a CUDA device's allocator (version 3): the newest counters pushed at
+     * a step boundary (mg_sampler_push_cuda), never read from the device
+     * by the sampler thread */
+    int32_t cuda_device;
+    uint32_t pad2;
+    uint64_t cuda_allocated_bytes, cuda_reserved_bytes, cuda_active_bytes;
+    uint64_t cuda_allocated_peak_bytes, cuda_reserved_peak_bytes;
+    uint64_t cuda_alloc_retries;     /**< cache released to retry an allocation, in all */
+    uint64_t cuda_ooms;              /**< allocations refused, in all */
+    uint64_t cuda_new_retries;       /**< rise of cuda_alloc_retries since the last sample */
+    uint64_t cuda_free_bytes, cuda_total_bytes; /**< the device's, cudaMemGetInfo */
+    uint64_t cuda_budget_bytes;      /**< 0: none */
+    int64_t cuda_age_ns;             /**< since the push */
+    double cuda_budget_used_fraction; /**< allocated / budget; NaN without one */
 } mg_sample_t;
 
 #endif /* MEMGUARD_SAMPLE_H */

@@ -40,6 +40,7 @@ enum {
     MG_REASON_PSI = 1u << 2,      /**< PSI memory stall time */
     MG_REASON_SWAP = 1u << 3,     /**< swap-in rate */
     MG_REASON_FAULTS = 1u << 4,   /**< major page-fault rate */
+    MG_REASON_CUDA_RETRIES = 1u << 5, /**< CUDA allocations retried after freeing cache */
 };
 
 /* ---- sizes and budgets -------------------------------------------------- */
@@ -149,6 +150,34 @@ MG_API int mg_sampler_level_fd(const mg_sampler_t *s);
 MG_API int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out);
 /** Change the budget used by the pressure model (takes effect next sample). */
 MG_API void mg_sampler_set_budget(mg_sampler_t *s, uint64_t budget_bytes);
+
+/** A CUDA device's allocator counters, as pushed from a step boundary. */
+typedef struct mg_cuda_counters {
+    int32_t device;
+    uint64_t allocated_bytes, reserved_bytes, active_bytes;
+    uint64_t allocated_peak_bytes, reserved_peak_bytes;
+    uint64_t alloc_retries, ooms;    /**< cumulative */
+    uint64_t free_bytes, total_bytes; /**< the device's (0: unknown) */
+    uint64_t budget_bytes;           /**< 0: none */
+} mg_cuda_counters_t;
+
+/**
+ * Hand the sampler a CUDA device's counters: every later sample carries
+ * them (MG_HAVE_CUDA) until the next push, and the pressure model judges
+ * them. Retries that rose since the previous push count once, in the next
+ * sample. @p raw_level (may be NULL) receives the level of the CUDA signals
+ * alone, at once, so a step boundary need not wait for a sample.
+ */
+MG_API int mg_sampler_push_cuda(mg_sampler_t *s, const mg_cuda_counters_t *c, int *raw_level);
+
+/**
+ * The CUDA part of the pressure model, pure: allocated bytes against the
+ * CUDA budget (thresholds of the budget signal), and any new allocation
+ * retry (the caching allocator freeing its cache to satisfy a request:
+ * thrashing) as HIGH. Sets s->cuda_budget_used_fraction.
+ * @p reasons receives MG_REASON_* bits. @return the level.
+ */
+MG_API int mg_pressure_cuda_level(const mg_pressure_opts_t *o, mg_sample_t *s, uint32_t *reasons);
 
 /* ---- options ------------------------------------------------------------ */
 

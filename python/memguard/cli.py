@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("doctor", help="what this machine offers and what memguard can do here")
-    d.add_argument("doctor_args", nargs=argparse.REMAINDER, help="--json, --no-torch")
+    d.add_argument("doctor_args", nargs=argparse.REMAINDER, help="--json, --no-torch, --telemetry RUN.jsonl")
 
     s = sub.add_parser("sample", help="print one telemetry sample")
     s.add_argument("--json", action="store_true", help="all fields, as JSON")

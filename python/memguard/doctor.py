@@ -3,8 +3,10 @@
 Every line is read from the machine at the time of the call: one sample from
 the C sampler (memory, swap, PSI, cgroup), a few kernel settings, a search
 for jemalloc, and a torch probe run in a subprocess with a timeout so that a
-slow or broken torch cannot hang the report. Standard library only, plus
-``memguard._C``.
+slow or broken torch cannot hang the report. The CUDA allocator row reads
+PyTorch's allocator settings from the environment and, given a run's
+telemetry (``--telemetry RUN.jsonl``), its reserved and allocated CUDA bytes.
+Standard library only, plus ``memguard._C``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Mapping
 
 from memguard import _C
 from memguard.run import JEMALLOC, jemalloc_candidates
@@ -31,6 +35,18 @@ THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 TORCH_TIMEOUT_S = 30.0
 #: Back-to-back samples timed for the sampler row.
 HOT_SAMPLES = 20
+
+#: PyTorch's allocator settings: the older name first, then torch 2.9+'s name.
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE = "expandable_segments"
+#: Fragmentation shows when reserved bytes are at least this many times the
+#: allocated bytes ...
+FRAGMENTATION_RATIO = 1.5
+#: ... and the reserved bytes not allocated come to at least this much.
+FRAGMENTATION_MIN_BYTES = 512 * 1024 * 1024
+#: Sample fields of the CUDA caching allocator in a telemetry file.
+CUDA_FIELDS = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_reserved_peak_bytes",
+               "cuda_alloc_retries")
 
 _OVERCOMMIT = {
     "0": "heuristic: obvious overcommits refused, the rest granted",
@@ -522,11 +538,238 @@ def torch_row(probe: bool = True, timeout: float = TORCH_TIMEOUT_S) -> Row:
     found += f"; torch.cuda.is_available() {info.get('cuda_available')}"
     if devices:
         found += "; " + ", ".join(f"{d['name']} ({size(d['total_bytes'])})" for d in devices)
-        can = (f"{len(devices)} CUDA device(s); telemetry here covers host memory, "
-               f"CUDA counters are not sampled yet")
+        can = (f"{len(devices)} CUDA device(s): Guard pushes each step's CUDA counters "
+               f"into telemetry; memguard.install(device=\"cuda\") governs the allocator")
     else:
         can = "no CUDA device: only host memory to budget"
     return ("torch", found, can)
+
+
+def _alloc_options(value: str | None) -> list[tuple[str, str, str]]:
+    """The comma-separated ``key:value`` options of an allocator setting.
+
+    Args:
+        value: the variable's value, or None when unset.
+
+    Returns:
+        ``(key, value, text)`` per non-empty option, ``text`` the option as written
+        (stripped); key and value are stripped, value empty when there is no colon.
+    """
+    out = []
+    for part in (value or "").split(","):
+        text = part.strip()
+        if text:
+            key, _, val = text.partition(":")
+            out.append((key.strip(), val.strip(), text))
+    return out
+
+
+def expandable_on(value: str | None) -> bool:
+    """Whether an allocator setting turns ``expandable_segments`` on.
+
+    Args:
+        value: the value of ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``, or None.
+
+    Returns:
+        True when its last ``expandable_segments`` option is ``True`` or ``1`` (any case).
+    """
+    vals = [v for k, v, _ in _alloc_options(value) if k == EXPANDABLE]
+    return bool(vals) and vals[-1].lower() in ("true", "1")
+
+
+def merge_alloc_conf(value: str | None) -> str:
+    """An allocator setting with ``expandable_segments:True`` in it.
+
+    The other options are kept as written and in order; an existing
+    ``expandable_segments`` option (``False``, say) is replaced in place, and
+    any repeats of it are dropped.
+
+    Args:
+        value: the current value of ``PYTORCH_CUDA_ALLOC_CONF`` or
+            ``PYTORCH_ALLOC_CONF``, or None when unset.
+
+    Returns:
+        The value to set, e.g. ``max_split_size_mb:128,expandable_segments:True``.
+    """
+    parts: list[str] = []
+    placed = False
+    for key, _, text in _alloc_options(value):
+        if key != EXPANDABLE:
+            parts.append(text)
+        elif not placed:
+            parts.append(f"{EXPANDABLE}:True")
+            placed = True
+    if not placed:
+        parts.append(f"{EXPANDABLE}:True")
+    return ",".join(parts)
+
+
+def _setting_text(env: Mapping[str, str]) -> str:
+    """The allocator variables as set in ``env``.
+
+    Args:
+        env: the environment.
+
+    Returns:
+        Text such as ``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128, PYTORCH_ALLOC_CONF unset``.
+    """
+    return ", ".join(f"{name}={env[name]}" if name in env else f"{name} unset"
+                     for name in ALLOC_CONF_VARS)
+
+
+def fragmented(allocated: int, reserved: int) -> bool:
+    """Whether reserved CUDA bytes are far enough above allocated bytes to call fragmentation.
+
+    Args:
+        allocated: bytes in tensors (``torch.cuda.memory_allocated``).
+        reserved: bytes the caching allocator holds (``torch.cuda.memory_reserved``).
+
+    Returns:
+        True when reserved is at least ``FRAGMENTATION_RATIO`` times allocated and
+        at least ``FRAGMENTATION_MIN_BYTES`` above it.
+    """
+    return (reserved >= FRAGMENTATION_RATIO * allocated
+            and reserved - allocated >= FRAGMENTATION_MIN_BYTES)
+
+
+def expandable_segments_advice(allocated: int | None, reserved: int | None,
+                               env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """Whether to turn on PyTorch's ``expandable_segments``, from CUDA memory figures.
+
+    Args:
+        allocated: CUDA bytes in tensors, or None when not known.
+        reserved: CUDA bytes the caching allocator holds, or None when not known.
+        env: the environment to read the allocator settings from (default os.environ).
+
+    Returns:
+        ``(found, advice)`` for a report row.
+    """
+    env = os.environ if env is None else env
+    setting = _setting_text(env)
+    on = [name for name in ALLOC_CONF_VARS if expandable_on(env.get(name))]
+    state = (f"{EXPANDABLE} is already on ({setting})" if on
+             else f"{EXPANDABLE} is not on ({setting})")
+    if allocated is None or reserved is None:
+        advice = (f"{state}; for reserved and allocated figures from a run: "
+                  f"memguard doctor --telemetry RUN.jsonl")
+        return "no CUDA figures (reserved and allocated bytes unknown)", advice
+    gap = reserved - allocated
+    found = f"reserved {size(reserved)}, allocated {size(allocated)}"
+    if allocated > 0:
+        found += f" ({reserved / allocated:.1f}x)"
+    if not fragmented(allocated, reserved):
+        found += f", {size(max(gap, 0))} cached beyond what tensors use"
+        advice = (f"reserved/allocated figures are fine (fragmentation shows from "
+                  f"{FRAGMENTATION_RATIO:g}x and {size(FRAGMENTATION_MIN_BYTES)} cached); "
+                  f"{state}")
+        return found, advice
+    found += f": {size(gap)} held in cached segments but not allocated (fragmentation)"
+    if on:
+        advice = (f"{state}: nothing to set; torch.cuda.empty_cache() hands the "
+                  f"cached segments back to the driver")
+        return found, advice
+    line = "export " + " ".join(f"{name}={shlex.quote(merge_alloc_conf(env.get(name)))}"
+                                for name in ALLOC_CONF_VARS)
+    advice = (f"the caching allocator keeps freed blocks in cached segments that cannot "
+              f"be reused for allocations of other sizes; with {EXPANDABLE}:True segments "
+              f"grow in place instead. {state}; set it before the run starts (torch before 2.9 "
+              f"reads the first variable, 2.9 and later the second): {line}")
+    return found, advice
+
+def _int_field(rec: dict, key: str) -> int | None:
+    """An integer field of a telemetry record.
+
+    Args:
+        rec: the record.
+        key: field name.
+
+    Returns:
+        The value, or None when absent, null or not an integer.
+    """
+    v = rec.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def cuda_figures(path: str) -> tuple[dict | None, str | None]:
+    """CUDA allocator figures from a JSONL telemetry file.
+
+    Sample lines (with ``seq``) that carry ``cuda_allocated_bytes`` and
+    ``cuda_reserved_bytes`` count; event lines, lines without those fields and
+    lines that are not JSON objects are skipped.
+
+    Args:
+        path: the telemetry file.
+
+    Returns:
+        ``(figures, None)`` with ``figures`` the worst sample's ``allocated``,
+        ``reserved`` and ``seq``, the largest ``reserved_peak`` seen, the last
+        ``retries`` value seen (each None when absent) and ``samples`` (samples
+        with CUDA figures, 0 when none); or ``(None, why)`` when the file cannot
+        be read.
+    """
+    worst: dict | None = None
+    peak: int | None = None
+    retries: int | None = None
+    n = 0
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(rec, dict) or "event" in rec or "seq" not in rec:
+                    continue
+                r = _int_field(rec, "cuda_alloc_retries")
+                retries = r if r is not None else retries
+                p = _int_field(rec, "cuda_reserved_peak_bytes")
+                peak = p if peak is None or (p is not None and p > peak) else peak
+                alloc = _int_field(rec, "cuda_allocated_bytes")
+                res = _int_field(rec, "cuda_reserved_bytes")
+                if alloc is None or res is None:
+                    continue
+                n += 1
+                if worst is None or res > worst["reserved"]:
+                    worst = {"allocated": alloc, "reserved": res, "seq": rec["seq"]}
+    except FileNotFoundError:
+        return None, "absent"
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or os.strerror(e.errno or 0)})"
+    figures = worst or {"allocated": None, "reserved": None, "seq": None}
+    figures.update(reserved_peak=peak, retries=retries, samples=n)
+    return figures, None
+
+
+def cuda_allocator_row(telemetry: str | None = None,
+                       env: Mapping[str, str] | None = None) -> Row:
+    """PyTorch's CUDA caching allocator: fragmentation in a run, and expandable_segments.
+
+    Args:
+        telemetry: a JSONL telemetry file of a run, or None.
+        env: the environment to read the allocator settings from (default os.environ).
+
+    Returns:
+        The report row.
+    """
+    if telemetry is None:
+        found, advice = expandable_segments_advice(None, None, env)
+        return ("cuda allocator", found, advice)
+    figures, why = cuda_figures(telemetry)
+    if figures is None:
+        found, advice = expandable_segments_advice(None, None, env)
+        return ("cuda allocator", f"telemetry {telemetry} {why}; {found}", advice)
+    found, advice = expandable_segments_advice(figures["allocated"], figures["reserved"], env)
+    if figures["samples"] == 0:
+        found = f"no samples with CUDA figures in {telemetry}; {found}"
+    else:
+        found = (f"at the largest reserved of {figures['samples']} samples in {telemetry} "
+                 f"(seq {figures['seq']}): {found}")
+    if figures["reserved_peak"] is not None:
+        found += f"; reserved peak {size(figures['reserved_peak'])}"
+    if figures["retries"]:
+        found += (f"; {figures['retries']} allocation retries (the caching allocator freed "
+                  f"its cache and retried: thrashing)")
+    return ("cuda allocator", found, advice)
 
 
 def sampler_row(costs: dict, err: str | None) -> Row:
@@ -570,12 +813,14 @@ def platform_row() -> Row:
             f"memguard {mg_version}, C core loaded (sample format v{_C.SAMPLE_VERSION})")
 
 
-def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S) -> list[Row]:
+def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S,
+           telemetry: str | None = None) -> list[Row]:
     """Examine this machine.
 
     Args:
         torch_probe: import torch in a subprocess to query CUDA (False: version only).
         torch_timeout: seconds that probe may take.
+        telemetry: a run's JSONL telemetry file for the CUDA allocator row, or None.
 
     Returns:
         Rows of (item, what was found, what memguard can or cannot do with it).
@@ -591,6 +836,7 @@ def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S) -> 
         overcommit_row(),
         jemalloc_row(),
         torch_row(torch_probe, torch_timeout),
+        cuda_allocator_row(telemetry),
         sampler_row(costs, err),
     ]
 
@@ -632,8 +878,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not import torch (version from package metadata only)")
     ap.add_argument("--torch-timeout", type=float, default=TORCH_TIMEOUT_S, metavar="S",
                     help="seconds the torch probe may take (default %(default)g)")
+    ap.add_argument("--telemetry", default=None, metavar="RUN.jsonl",
+                    help="a run's JSONL telemetry: its CUDA reserved/allocated bytes tell "
+                         "whether to turn on expandable_segments")
     args = ap.parse_args(argv)
-    rows = report(torch_probe=not args.no_torch, torch_timeout=args.torch_timeout)
+    rows = report(torch_probe=not args.no_torch, torch_timeout=args.torch_timeout,
+                  telemetry=args.telemetry)
     if args.json:
         print(json.dumps([{"item": i, "found": f, "memguard": c} for i, f, c in rows],
                          indent=1))

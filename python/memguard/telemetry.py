@@ -31,8 +31,9 @@ from typing import IO, Any, Callable
 from memguard import _C
 from memguard.budget import parse_budget
 
-#: Version of the sample schema written by the exporters (2: arena_* fields).
-SCHEMA_VERSION = 2
+#: Version of the sample schema written by the exporters (2: arena_* fields;
+#: 3: cuda_* fields).
+SCHEMA_VERSION = 3
 SCHEMA_NAME = "memguard.telemetry"
 
 
@@ -116,6 +117,21 @@ class Sample:
     arena_budget_bytes: int | None = None
     arena_ooms: int | None = None
     arena_budget_used_fraction: float | None = None
+    # a CUDA device's allocator, pushed at step boundaries (memguard.cuda)
+    cuda_device: int | None = None
+    cuda_allocated_bytes: int | None = None
+    cuda_reserved_bytes: int | None = None
+    cuda_active_bytes: int | None = None
+    cuda_allocated_peak_bytes: int | None = None
+    cuda_reserved_peak_bytes: int | None = None
+    cuda_alloc_retries: int | None = None
+    cuda_ooms: int | None = None
+    cuda_new_retries: int | None = None
+    cuda_free_bytes: int | None = None
+    cuda_total_bytes: int | None = None
+    cuda_budget_bytes: int | None = None
+    cuda_age_ns: int | None = None
+    cuda_budget_used_fraction: float | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Sample:
@@ -319,6 +335,16 @@ class Sampler:
         """Change the budget from the next sample on."""
         self._budget = 0 if budget is None else parse_budget(budget)
         self._c.set_budget(self._budget)
+
+    def push_cuda(self, counters: Mapping[str, int | None]) -> Level:
+        """Hand the sampler a CUDA device's allocator counters (keys:
+        ``device``, ``allocated_bytes``, ``reserved_bytes``, ``active_bytes``,
+        ``allocated_peak_bytes``, ``reserved_peak_bytes``, ``alloc_retries``,
+        ``ooms``, ``free_bytes``, ``total_bytes``, ``budget_bytes``): every
+        later sample carries them until the next push. Returns the level of
+        the CUDA signals alone (budget use; HIGH when allocation retries
+        rose since the last push), judged at once."""
+        return Level(self._c.push_cuda(dict(counters)))
 
     @property
     def cpu_seconds(self) -> float:
