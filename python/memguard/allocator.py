@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
 
 from memguard import _C
 from memguard.budget import parse_budget
@@ -30,24 +31,41 @@ _OOM_MESSAGES = (
 )
 
 
-def install(budget: str | int | None = None, cache_limit: str | int | None = None) -> None:
-    """Route CPU tensor memory to memguard's arena. Idempotent.
+def install(budget: str | int | None = None, cache_limit: str | int | None = None, *,
+            device: Any = "cpu", allocator: str | None = None) -> None:
+    """Route tensor memory to memguard's allocator, or put PyTorch's CUDA
+    allocator under a budget. Idempotent.
 
     Args:
-        budget: the most the arena may hold (allocated plus cached), see
-            :func:`memguard.parse_budget`; ``None`` keeps the current budget
-            (none at first).
-        cache_limit: the most freed memory kept cached for reuse (a size or
-            a percentage, like a budget); ``None`` keeps the current limit
-            (none at first: the cache is bounded by the budget).
+        budget: the most the allocator may hold (allocated plus cached), see
+            :func:`memguard.parse_budget` (on CUDA, a percentage is of the
+            device's memory); ``None`` keeps the current budget (none at
+            first).
+        cache_limit: (CPU) the most freed memory kept cached for reuse (a
+            size or a percentage, like a budget); ``None`` keeps the current
+            limit (none at first: the cache is bounded by the budget).
+        device: ``"cpu"`` (the arena), or ``"cuda"``/``"cuda:N"``.
+        allocator: on CUDA, ``"native"`` (default: PyTorch's caching
+            allocator, the budget applied with
+            ``torch.cuda.set_per_process_memory_fraction``) or ``"memguard"``
+            (memguard's CUDA allocator, installed before the first CUDA
+            allocation of the process). On the CPU, ``None`` or
+            ``"memguard"``.
 
     Raises:
         RuntimeError: torch is not imported, the platform has no ELF import
             slots, ``libc10.so`` does not import the functions memguard
             rewrites, or the routing did not take effect (a probe tensor
-            was not served by the arena).
-        ValueError: a bad budget.
+            was not served by the arena); on CUDA: no CUDA device, or CUDA
+            memory already allocated when memguard's allocator was asked for.
+        ValueError: a bad budget, device or allocator name.
     """
+    if str(device) != "cpu":
+        _install_cuda(budget, cache_limit, device, allocator)
+        return
+    if allocator not in (None, "memguard"):
+        raise ValueError(f"allocator {allocator!r} is not one memguard installs on the CPU: "
+                         f"use None or 'memguard'")
     if "torch" not in sys.modules:
         raise RuntimeError("import torch before memguard.install(): there is no torch "
                            "allocator to route yet")
@@ -69,6 +87,35 @@ def install(budget: str | int | None = None, cache_limit: str | int | None = Non
             _C.uninstall()
             raise RuntimeError("memguard's allocator was installed but a probe tensor did not "
                                "reach it: this torch build allocates CPU memory elsewhere")
+
+
+def _install_cuda(budget: str | int | None, cache_limit: str | int | None, device: Any,
+                  allocator: str | None) -> None:
+    from memguard import cuda
+
+    dev = cuda.parse_device(device)
+    if allocator not in (None, "native", "memguard"):
+        raise ValueError(f"allocator {allocator!r} is not a CUDA allocator memguard knows: "
+                         f"use 'native' or 'memguard'")
+    if cache_limit is not None:
+        raise ValueError(f"cache_limit {cache_limit!r} applies to the CPU arena only")
+    if budget is not None:
+        parse_budget(budget, total=1 << 40)   # a bad budget is a ValueError before anything
+    if "torch" not in sys.modules:
+        raise RuntimeError("import torch before memguard.install(device='cuda')")
+    if allocator == "memguard":
+        if dev not in (None, 0):
+            raise ValueError(f"device {device!r}: memguard's CUDA allocator serves every device "
+                             f"of the process; install it with device='cuda'")
+        cuda.install_allocator(budget)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device here (torch.cuda.is_available() is False): "
+                           "there is no CUDA allocator to budget")
+    if budget is not None:
+        cuda.Governor(dev if dev is not None else "cuda", budget).install()
 
 
 def uninstall() -> None:
@@ -106,8 +153,10 @@ def set_cache_limit(limit: str | int | None) -> None:
         _C.arena_set_cache_limit(0 if limit is None else parse_budget(limit))
 
 
-def stats() -> dict[str, int]:
-    """The arena's counters, flat, in PyTorch's vocabulary:
+def stats(device: Any = "cpu") -> dict[str, int]:
+    """The allocator's counters, flat, in PyTorch's vocabulary. With
+    ``device="cuda"`` (or ``"cuda:N"``): the CUDA allocator's, see
+    :func:`memguard.cuda.stats`. On the CPU, the arena's:
     ``allocated_bytes.{current,peak}``, ``reserved_bytes.*``, ``active_bytes.*``,
     ``requested_bytes.*``, ``cached_bytes``, ``budget_bytes``, ``cache_limit_bytes``,
     ``num_allocs``,
@@ -115,6 +164,10 @@ def stats() -> dict[str, int]:
     ``trimmed_bytes``. Bytes are block sizes (size classes round up by at most
     25 %), except ``requested_bytes``; for blocks under 256 KiB requested
     counts the block size."""
+    if str(device) != "cpu":
+        from memguard import cuda
+
+        return cuda.stats(device)
     return _C.arena_stats()
 
 

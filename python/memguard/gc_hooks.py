@@ -136,6 +136,8 @@ class GcHooks:
             done["system_trim"] = _C.system_trim()
             done["arena_released_bytes"] = _C.arena_trim(0)
             _empty_cuda_cache(done)
+            if _C.cuda_backend() is not None:   # memguard's CUDA allocator
+                done["cuda_released_bytes"] = _C.cuda_trim(-1)
             self._count(done, t0)
         return self._report(done)
 

@@ -35,6 +35,7 @@ from memguard.accumulation import Accumulator
 from memguard.budget import parse_budget
 from memguard.checkpoint import Checkpoints
 from memguard.checkpoint import wrap as wrap_checkpoints
+from memguard.cuda import Governor
 from memguard.distributed import PeerOOM, Peers
 from memguard.gc_hooks import GcHooks
 from memguard.gradcache import gradcache_backward
@@ -160,8 +161,14 @@ class _PeakMeter:
         first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
         if first is not None and first.is_cuda:
             self.source = "cuda"
-            torch.cuda.reset_peak_memory_stats(first.device)
             self._device = first.device
+            self._index = first.device.index if first.device.index is not None \
+                else torch.cuda.current_device()
+            self._memguard_cuda = _C.cuda_backend() is not None
+            if self._memguard_cuda:   # torch's own counters do not work then
+                _C.cuda_reset_peaks(self._index)
+            else:
+                torch.cuda.reset_peak_memory_stats(first.device)
         elif allocator.installed():
             self.source = "arena"
             _C.arena_reset_peaks()
@@ -188,6 +195,8 @@ class _PeakMeter:
 
     def stop(self) -> int:
         if self.source == "cuda":
+            if self._memguard_cuda:
+                return int(_C.cuda_stats(self._index)["allocated_bytes.peak"])
             return int(torch.cuda.max_memory_allocated(self._device))
         if self.source == "arena":
             return int(_C.arena_stats()[self._arena_key])
@@ -245,6 +254,19 @@ class Guard:
             or the default one): every rank steps at the smallest size any
             rank proposes, and an out-of-memory error on one rank makes
             every rank redo the step (see :mod:`memguard.distributed`).
+        cuda_budget: the budget of the CUDA device the batches are on: a
+            size, a share of the device (``"75%"``) or ``"auto"`` (90 % of
+            it); ``None``: no cap. Applied with
+            ``torch.cuda.set_per_process_memory_fraction`` (or as memguard's
+            CUDA allocator's budget where that is installed), and judged by
+            the pressure model like the host budget.
+        cuda: the CUDA governor: ``None`` (default) starts one once CUDA is in
+            use (at the first step after CUDA was initialised, or at
+            :meth:`install` when ``cuda_budget`` is given): each step
+            boundary pushes the device's allocator counters into telemetry,
+            and rising allocation retries (thrashing) shrink the micro-batch
+            like HIGH pressure. ``False``: none. A
+            :class:`memguard.cuda.Governor`: that one.
         ddp_overlap: with a DDP ``model``, let DDP synchronise the last
             micro-batch's backward itself, overlapping communication with
             computation; an out-of-memory error inside that backward is
@@ -263,7 +285,8 @@ class Guard:
                  gc_interval_s: float = 10.0, sampler: Sampler | None = None,
                  checkpoint: Any = None,
                  on_critical: Callable[[Guard], Any] | None = None,
-                 process_group: Any = None, ddp_overlap: bool = False) -> None:
+                 process_group: Any = None, ddp_overlap: bool = False,
+                 cuda_budget: str | int | None = None, cuda: Any = None) -> None:
         def positive_int(name: str, v: Any) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, not {v!r}")
@@ -286,6 +309,16 @@ class Guard:
         if not 0 <= margin < 1:
             raise ValueError(f"margin must be in [0, 1), not {margin!r}")
         self.budget_bytes = 0 if budget is None else parse_budget(budget)
+        if cuda_budget is not None:
+            parse_budget(cuda_budget, total=1 << 40)   # the device's total is known later
+        if not (cuda is None or cuda is False or isinstance(cuda, Governor)):
+            raise ValueError(f"cuda must be None, False or a memguard.cuda.Governor, "
+                             f"not {cuda!r}")
+        self._cuda_budget = cuda_budget
+        self._cuda_arg = cuda
+        #: the CUDA governor in use (None until CUDA is)
+        self.cuda_governor: Governor | None = None
+        self._own_governor = False
         self.min_micro_batch = min_micro_batch
         self.multiple_of = multiple_of
         self.divisor_of = divisor_of
@@ -369,6 +402,10 @@ class Guard:
         self.sampler.on_pressure(self._on_pressure)
         self.sampler.on_sample(self._on_sample)
         self.sampler.start()
+        if isinstance(self._cuda_arg, Governor) or (
+                self._cuda_arg is None and self._cuda_budget is not None
+                and torch.cuda.is_available()):
+            self._start_governor()
         self.gc.install()
         self._installed = True
         self._event("install", budget_bytes=self.budget_bytes,
@@ -405,6 +442,10 @@ class Guard:
             return
         self._installed = False
         self.gc.uninstall()
+        if self.cuda_governor is not None:
+            if self._own_governor:
+                self.cuda_governor.uninstall()
+            self.cuda_governor = None
         if self.sampler is not None:
             self.sampler.remove_callback(self._on_pressure)
             self.sampler.remove_callback(self._on_sample)
@@ -436,14 +477,39 @@ class Guard:
             self._max_raw = max(self._max_raw, s.raw_level)
             self._level = s.level
 
+    def _start_governor(self) -> None:
+        """Start the CUDA governor (the one given, or a new one)."""
+        gov = self._cuda_arg if isinstance(self._cuda_arg, Governor) \
+            else Governor("cuda", self._cuda_budget)
+        self._own_governor = not isinstance(self._cuda_arg, Governor)
+        if gov.sampler is None:
+            gov.sampler = self.sampler
+        if gov.on_event is None:
+            gov.on_event = self._event
+        gov.install()
+        self.cuda_governor = gov
+
+    def _cuda_level(self) -> int:
+        """Push the CUDA device's counters (at a step boundary): the level
+        of the CUDA signals. The governor starts once CUDA is in use."""
+        if self.cuda_governor is None:
+            if self._cuda_arg is not None or not self._installed or \
+                    not torch.cuda.is_initialized():
+                return Level.OK
+            self._start_governor()
+        assert self.cuda_governor is not None
+        return int(self.cuda_governor.push())
+
     def _boundary_level(self) -> int:
         """The level a step boundary acts on. Shrinking needs a sample of
         the last step itself at HIGH or above (its raw level, before
         hysteresis: a step already shrunk is not shrunk again for pressure
         it no longer causes); while the hysteresis level stays up the size
-        holds (ELEVATED); growth waits for a calm level."""
+        holds (ELEVATED); growth waits for a calm level. The CUDA counters
+        pushed now count at once."""
+        cuda = self._cuda_level()
         with self._level_lock:
-            raw, level = self._max_raw, self._level
+            raw, level = max(self._max_raw, cuda), self._level
             self._max_raw = Level.OK
         if raw >= Level.HIGH:
             return int(raw)
@@ -515,9 +581,9 @@ class Guard:
             raise ValueError("mode='gradcache' takes an embed_fn, and only it does")
         n = _batch.batch_size(batch)
         peers = self._peers_for_step()
+        level = self._boundary_level()   # first: it pushes the last step's CUDA peaks
         self._peak.start(batch)
         self._sync_budget()
-        level = self._boundary_level()
         micro = int(self._planner.begin(n, self._checkpoint_hold(level)))
         if peers is not None:
             agreed = peers.agree([micro])[0]     # the smallest proposal
@@ -689,6 +755,10 @@ class Guard:
         budget = self.budget_bytes
         if self._peak.source == "arena":
             budget = _C.arena_stats()["budget_bytes"] or budget
+        elif self._peak.source == "cuda":
+            gov = self.cuda_governor
+            budget = gov.budget_bytes if gov is not None and gov.budget_bytes else \
+                (gov.last or {}).get("total_bytes", 0) if gov is not None else 0
         if budget != self._planner_budget:
             self._planner.set_budget(budget)
             self._planner_budget = budget
