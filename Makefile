@@ -42,6 +42,8 @@ bench: build
 	$(PY) benchmarks/bench_sampler.py
 	$(PY) benchmarks/bench_cpu_allocator.py
 	$(PY) benchmarks/bench_throttle.py
+	@mkdir -p out
+	$(PY) benchmarks/bench_cuda.py --json out/bench_cuda.json
 
 # Optional system packages: jemalloc for `memguard run` (its tests skip without it).
 system-deps:

@@ -489,6 +489,8 @@ FIRST_SAMPLE = {
     "swap_in_pages_per_s": None, "swap_out_pages_per_s": None, "psi_some_stall": None,
     "psi_full_stall": None, "cgroup_psi_some_stall": None, "cgroup_psi_full_stall": None,
     "budget_bytes": None, "budget_used_fraction": None,
+    # nothing pushed CUDA counters to this sampler
+    **{f: None for f in _C.sample_fields() if f.startswith("cuda_")},
 }
 
 

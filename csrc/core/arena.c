@@ -71,7 +71,7 @@ static struct {
     cls_t large[N_CLASSES];    /* free lists of large_hdr_t */
     _Atomic uint64_t allocated, allocated_peak, reserved, reserved_peak;
     _Atomic uint64_t requested, requested_peak, cached, budget, cache_limit;
-    _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed;
+    _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed, last_oom;
 } A;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -434,8 +434,10 @@ int mg_arena_alloc(size_t size, size_t align, void **out)
         rc = small_alloc(size, out);
     else
         rc = large_alloc(size, align, out);
-    if (rc)
+    if (rc) {
         atomic_fetch_add_explicit(&A.n_oom, 1, memory_order_relaxed);
+        atomic_store_explicit(&A.last_oom, size, memory_order_relaxed);
+    }
     return rc;
 }
 
@@ -524,6 +526,7 @@ int mg_arena_stats(mg_arena_stats_t *o)
     o->num_ooms = atomic_load(&A.n_oom);
     o->num_trims = atomic_load(&A.n_trim);
     o->trimmed_bytes = atomic_load(&A.trimmed);
+    o->last_oom_bytes = atomic_load(&A.last_oom);
     return 0;
 }
 

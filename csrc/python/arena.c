@@ -69,7 +69,7 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
     mg_arena_stats_t s;
     mg_arena_stats(&s);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "allocated_bytes.current", (unsigned long long)s.allocated_current,
         "allocated_bytes.peak", (unsigned long long)s.allocated_peak,
         "reserved_bytes.current", (unsigned long long)s.reserved_current,
@@ -87,7 +87,8 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
         "num_ooms", (unsigned long long)s.num_ooms,
         "num_trims", (unsigned long long)s.num_trims,
         "trimmed_bytes", (unsigned long long)s.trimmed_bytes,
-        "reserve_bytes", (unsigned long long)s.reserve_bytes);
+        "reserve_bytes", (unsigned long long)s.reserve_bytes,
+        "last_oom_bytes", (unsigned long long)s.last_oom_bytes);
 }
 
 /* Set one of the arena's byte limits from a Python int (0: none). */

@@ -30,7 +30,7 @@ extern "C" {
 #define MG_ARENA_API
 #endif
 
-#define MG_ARENA_STATS_VERSION 1
+#define MG_ARENA_STATS_VERSION 2
 
 /** Counters in PyTorch's vocabulary; bytes are block sizes except requested. */
 typedef struct mg_arena_stats {
@@ -46,6 +46,7 @@ typedef struct mg_arena_stats {
     uint64_t reserve_bytes;   /**< address space reserved */
     uint64_t num_allocs, num_frees, num_cache_hits, num_ooms, num_trims;
     uint64_t trimmed_bytes;   /**< given back to the kernel by trims, in all */
+    uint64_t last_oom_bytes;  /**< size of the last request refused (version 2) */
 } mg_arena_stats_t;
 
 /** Create the arena (idempotent). ENOMEM when no address range could be reserved. */

@@ -619,6 +619,7 @@ static void test_budget(void)
     CHECK(b == NULL);
     mg_arena_stats_t s1 = st();
     CHECK_EQ(s1.num_ooms - s0.num_ooms, 1);
+    CHECK_EQ(s1.last_oom_bytes, m40); /* the request that crossed the budget */
     CHECK_EQ(s1.reserved_current, r0 + 40 * MiB);
     CHECK_EQ(s1.allocated_current, 40 * MiB);
     CHECK_EQ(s1.num_trims, s0.num_trims); /* there was no cache to release */
