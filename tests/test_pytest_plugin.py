@@ -85,7 +85,9 @@ def test_budget_marker_fails_the_test_and_is_removed_after(pytester: pytest.Pyte
     for name in ("test_over_budget_swallowed", "test_over_budget_raises", "test_rss_over_limit"):
         assert f"FAILED test_budget.py::{name}" in out
     # the swallowed refusal fails the test with the budget, the peaks and the allocation
-    budget_msgs = re.findall(r"memguard budget '64MiB' \(64\.0 MiB\) exceeded: .*", out)
+    # (the report sections; the short summary may repeat them, by terminal width)
+    budget_msgs = re.findall(r"^memguard budget '64MiB' \(64\.0 MiB\) exceeded: .*", out,
+                             re.MULTILINE)
     assert len(budget_msgs) == 2, out
     for msg in budget_msgs:
         assert re.search(r"the one that crossed the budget asked for "
@@ -240,7 +242,7 @@ def test_peak_rss_without_clear_refs(pytester: pytest.Pytester) -> None:
     ''')
     pytester.makepyfile(test_hog='''
         def test_hog():
-            x = b"\\x01" * (64 << 20)
+            x = b"\\x01" * (768 << 20)   # past any peak of the start-up
             del x
 
         def test_after():
@@ -251,5 +253,5 @@ def test_peak_rss_without_clear_refs(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=2)
     hog, after = json.loads(path.read_text())["tests"]
     assert hog["rss_peak_source"] == after["rss_peak_source"] == "ru_maxrss"
-    assert hog["rss_growth_bytes"] >= 48 * MiB       # a new high for the process: exact
+    assert hog["rss_growth_bytes"] >= 512 * MiB       # a new high for the process: exact
     assert 0 <= after["rss_growth_bytes"] < 32 * MiB  # no new high: a lower bound
