@@ -44,7 +44,7 @@ struct mg_sampler {
 
     /* cuda_lock guards the pushed CUDA counters. */
     pthread_mutex_t cuda_lock;
-    int have_cuda;
+    _Atomic int have_cuda;           /* set once, by the first push */
     mg_cuda_counters_t cuda;
     int64_t cuda_pushed_ns;
     uint64_t cuda_new_retries; /* rise not yet carried by a sample */
@@ -192,6 +192,7 @@ int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
     }
     atomic_init(&s->budget_bytes, c.budget_bytes);
     atomic_init(&s->notify, 0);
+    atomic_init(&s->have_cuda, 0);
     atomic_init(&s->cpu_ns_before, 0);
     pthread_mutex_init(&s->op_lock, NULL);
     pthread_mutex_init(&s->ring_lock, NULL);
@@ -245,10 +246,11 @@ int mg_sampler_push_cuda(mg_sampler_t *s, const mg_cuda_counters_t *c, int *raw_
     uint64_t rise = 0;
     /* the same device's counters only grow; a new device (or a reset)
      * starts a new baseline */
-    if (s->have_cuda && s->cuda.device == c->device && c->alloc_retries > s->cuda.alloc_retries)
+    if (atomic_load(&s->have_cuda) && s->cuda.device == c->device &&
+        c->alloc_retries > s->cuda.alloc_retries)
         rise = c->alloc_retries - s->cuda.alloc_retries;
     s->cuda = *c;
-    s->have_cuda = 1;
+    atomic_store_explicit(&s->have_cuda, 1, memory_order_release);
     s->cuda_pushed_ns = mgi_clock_ns(CLOCK_MONOTONIC);
     s->cuda_new_retries += rise;
     pthread_mutex_unlock(&s->cuda_lock);
@@ -271,13 +273,13 @@ static void take_sample(mg_sampler_t *s, mg_sample_t *out)
     cur.t_ns = mgi_clock_ns(CLOCK_REALTIME);
     mgi_sources_read(&s->src, &cur, s->pressure.level >= MG_LEVEL_ELEVATED);
     mgi_read_arena(&cur);
-    pthread_mutex_lock(&s->cuda_lock);
-    if (s->have_cuda) {
+    if (atomic_load_explicit(&s->have_cuda, memory_order_acquire)) { /* no lock without CUDA */
+        pthread_mutex_lock(&s->cuda_lock);
         cuda_into(&cur, &s->cuda, s->cuda_new_retries);
         cur.cuda_age_ns = cur.mono_ns - s->cuda_pushed_ns;
         s->cuda_new_retries = 0;
+        pthread_mutex_unlock(&s->cuda_lock);
     }
-    pthread_mutex_unlock(&s->cuda_lock);
     if (s->have_prev)
         mgi_sample_deltas(&s->prev, &cur);
     cur.budget_bytes = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed);

@@ -58,11 +58,6 @@ _MEMGUARD_KEYS = {
     "ooms": "num_ooms",
 }
 
-#: Reserved above this multiple of allocated, and by at least
-#: FRAGMENTATION_MIN_BYTES, is fragmentation worth a recommendation.
-FRAGMENTATION_RATIO = 1.5
-FRAGMENTATION_MIN_BYTES = 512 << 20
-
 _lock = threading.Lock()          # install, budgets, the observer
 _installed_allocator: str | None = None   # "memguard" once routed to memguard's allocator
 _observer_attached = False
@@ -107,12 +102,6 @@ def _ordinal(device: int | None) -> int:
     if torch is not None and torch.cuda.is_available():
         return int(torch.cuda.current_device())
     return 0
-
-
-def _cuda_budget(budget: str | int, total: int) -> int:
-    """A budget for a device of ``total`` bytes: a size, a share of the
-    device (``"75%"``) or ``"auto"`` (90 % of it)."""
-    return parse_budget(budget, total=total)
 
 
 # -- memguard's CUDA allocator -------------------------------------------------
@@ -169,7 +158,7 @@ def install_allocator(budget: str | int | None = None) -> None:
 def _set_memguard_budgets(torch: Any, budget: str | int) -> None:
     for d in range(torch.cuda.device_count()):
         total = int(torch.cuda.get_device_properties(d).total_memory)
-        _C.cuda_set_budget(d, _cuda_budget(budget, total))
+        _C.cuda_set_budget(d, parse_budget(budget, total=total))
 
 
 def allocator_name() -> str:
@@ -259,13 +248,18 @@ class Governor:
         self._installed = False
         self._advised = False
         self._fraction_set = False
+        self._allocator: str | None = None   # resolved at install
         self.ooms_observed: list[dict[str, int]] = []
         self.last: dict[str, Any] | None = None
         self.level = Level.OK
 
     @property
     def allocator(self) -> str:
-        """``"memguard"`` or ``"native"``: whose counters this governor reads."""
+        """``"memguard"`` or ``"native"``: whose counters this governor reads
+        (fixed from :meth:`install` on: the allocator cannot change once CUDA
+        memory was allocated)."""
+        if self._allocator is not None:
+            return self._allocator
         return "memguard" if self._memory_stats is None and allocator_name() == "memguard" \
             else "native"
 
@@ -276,9 +270,11 @@ class Governor:
         if self._installed:
             return self
         self.device = _ordinal(self.device)
+        self._allocator = None
+        self._allocator = self.allocator
         total = self._total()
         if self._budget_arg is not None and total:
-            self.budget_bytes = _cuda_budget(self._budget_arg, total)
+            self.budget_bytes = parse_budget(self._budget_arg, total=total)
             if self._memory_stats is None:
                 self._apply_budget(total)
         with _lock:
