@@ -37,13 +37,16 @@ demo: build
 	$(PY) -m memguard report out/demo-telemetry.jsonl -o out/demo-report.html
 	@echo "telemetry: out/demo-telemetry.jsonl; report: out/demo-report.png (and .html)"
 
+# memguard's benchmarks, a pytest-benchmark suite: timings of each configuration,
+# the side-by-side ratios in the terminal summary and in out/bench.json; each run
+# is also saved under .benchmarks/ for `--benchmark-compare` (see the README).
+# BENCH_ARGS passes options on, e.g. BENCH_ARGS="--benchmark-compare -k throttle".
+BENCH_ARGS ?=
 bench: build
 	$(PY) -m pip install -q accelerate || echo "accelerate not installed: bench_throttle leaves out its column"
-	$(PY) benchmarks/bench_sampler.py
-	$(PY) benchmarks/bench_cpu_allocator.py
-	$(PY) benchmarks/bench_throttle.py
 	@mkdir -p out
-	$(PY) benchmarks/bench_cuda.py --json out/bench_cuda.json
+	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-autosave \
+	  --benchmark-json=out/bench.json -p no:cacheprovider $(BENCH_ARGS)
 
 # Optional system packages: jemalloc for `memguard run` (its tests skip without it).
 system-deps:

@@ -2,27 +2,35 @@
 under plain glibc, hand-tuned glibc, jemalloc preloaded alone, memguard's
 preload shim (`memguard run`) and memguard in-process (`memguard.install()`).
 
-Every configuration runs in its own process (the allocator is chosen at
-process start); repetitions are interleaved across configurations and the
-medians reported, with ratios against plain glibc measured in the same run.
+Every configuration runs in its own worker process (the allocator is chosen
+at process start); pytest-benchmark times its steps from here, one round a
+step, after one untimed warm-up step (the optimizer's state is allocated in
+the first). The configurations of a workload run one after the other, and the
+ratios against plain glibc use the medians of the steps as each worker timed
+them (the pipe's round trip left out).
 
 Workloads: a ViT-S encoder (dim 384, depth 12, 6 heads, 16 px patches of
-224 px images, or --image N) at batch 8 and 32, and a DINO-like multi-crop
-step (batch 8: 2 global crops at the image size and 6 local ones at 96 px
-through the same encoder), 2 threads each.
+224 px images) at batch 8 and 32, and a DINO-like multi-crop step (batch 8:
+2 global crops at the image size and 6 local ones at 96 px through the same
+encoder), 2 threads each.
 
-    python benchmarks/bench_cpu_allocator.py [--quick] [--reps N] [--steps N] [--image N]
+    pytest benchmarks/bench_cpu_allocator.py --benchmark-only [-k vit-b8]
+    python benchmarks/bench_cpu_allocator.py [pytest options]   (the same)
+
+Targets for memguard in-process: step time at most 0.83x plain glibc's,
+steady-state faults per step at most 1 % of glibc's, peak RSS at most
+glibc's.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import resource
-import statistics
-import subprocess
 import sys
 import time
+
+import pytest
+
+from benchlib import Figures, Worker, fmt, median, ratio, serve, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -32,6 +40,12 @@ from memguard import run as mrun
 
 CONFIGS = ["glibc", "glibc-tuned", "jemalloc", "memguard-preload", "memguard-inprocess"]
 WORKLOADS = ["vit-b8", "vit-b32", "dino-multicrop"]
+TARGETS = {"step_ratio": 0.83, "faults_ratio": 0.01, "peak_rss_ratio": 1.0}
+SECTION = "cpu_allocator"
+
+#: (image px, warm-up steps, timed rounds): the full run and --bench-quick.
+FULL = (224, 1, 3)
+QUICK = (64, 1, 1)
 
 
 def config_env(name: str) -> dict | None:
@@ -55,8 +69,8 @@ def config_env(name: str) -> dict | None:
 
 
 # ---------------------------------------------------------------- the worker
-def worker(config: str, workload: str, steps: int, image: int) -> dict:
-    """Run one workload in this process; return its figures."""
+def worker(config: str, workload: str, image: int) -> dict:
+    """Build one workload in this process; return its commands."""
     import torch
 
     if config == "memguard-inprocess":
@@ -85,112 +99,98 @@ def worker(config: str, workload: str, steps: int, image: int) -> dict:
 
     model = ViT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    local = max(image * 3 // 7, 32)                  # 96 px at 224
     if workload == "dino-multicrop":
         crops = [torch.randn(8, 3, image, image) for _ in range(2)] + \
-                [torch.randn(8, 3, 96, 96) for _ in range(6)]
+                [torch.randn(8, 3, local, local) for _ in range(6)]
     else:
         crops = [torch.randn(8 if workload == "vit-b8" else 32, 3, image, image)]
 
-    def step():
+    def step() -> dict:
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
         out = [model(c) for c in crops]
         loss = sum(o.float().pow(2).mean() for o in out)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        t1 = time.perf_counter()
+        return {"step_s": t1 - t0,
+                "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0}
 
-    for _ in range(2):
-        step()
-    r0 = resource.getrusage(resource.RUSAGE_SELF)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    return {"step_s": statistics.median(times), "faults_per_step": (r1.ru_minflt - r0.ru_minflt)
-            / steps, "peak_rss_bytes": r1.ru_maxrss * 1024}
+    def peak() -> dict:
+        return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    return {"step": step, "peak": peak}
 
 
-# ---------------------------------------------------------------- the driver
-def run_one(config: str, workload: str, steps: int, image: int) -> dict | None:
+# ------------------------------------------------------------- the benchmark
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_step(benchmark, figures: Figures, quick: bool, workload: str, config: str) -> None:
+    figures.section(SECTION, "CPU allocator: training step against plain glibc "
+                    "(each configuration in its own process, 2 threads)", summarize)
+    image, warmup, rounds = QUICK if quick else FULL
     env = config_env(config)
     if env is None:
-        return None
-    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, __file__, "--worker", config, workload, str(steps),
-                          str(image)],
-                         env=env, capture_output=True, text=True, timeout=900, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{config}/{workload} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        pytest.skip(f"{config}: libjemalloc2 is not installed")
+    benchmark.group = f"cpu allocator: {workload}"
+    steps: list[dict] = []
+    with Worker(__file__, [config, workload, str(image)], env=env) as w:
+        for _ in range(warmup):
+            w.call("step")
+        benchmark.pedantic(lambda: steps.append(w.call("step")), rounds=rounds)
+        peak = w.call("peak")["peak_rss_bytes"]
+    fig = {"workload": workload, "config": config, "image": image, "rounds": rounds,
+           "step_s": median(s["step_s"] for s in steps),
+           "faults_per_step": median(s["faults"] for s in steps), "peak_rss_bytes": peak}
+    benchmark.extra_info.update({k: fig[k] for k in ("step_s", "faults_per_step",
+                                                      "peak_rss_bytes")})
+    figures.record(SECTION, benchmark.fullname, fig)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", nargs=4, metavar=("CONFIG", "WORKLOAD", "STEPS", "IMAGE"),
-                   help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="1 repetition, 3 steps, 112 px")
-    p.add_argument("--image", type=int, default=224, help="image size in px (=224)")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args()
-    if args.worker:
-        c, w, n, img = args.worker
-        print(json.dumps(worker(c, w, int(n), int(img))))
-        return 0
-    reps, steps = (1, 3) if args.quick else (args.reps, args.steps)
-    image = 112 if args.quick else args.image
-    t_start = time.monotonic()
-    results: dict = {w: {c: [] for c in CONFIGS} for w in WORKLOADS}
-    for rep in range(reps):
-        for w in WORKLOADS:
-            # rotate the order each repetition so no configuration always goes first
-            order = CONFIGS[rep % len(CONFIGS):] + CONFIGS[:rep % len(CONFIGS)]
-            for c in order:
-                r = run_one(c, w, steps, image)
-                if r is not None:
-                    results[w][c].append(r)
-    print(f"memguard CPU allocator benchmark: {os.cpu_count()} CPUs, 2 threads, {image} px, "
-          f"{reps} repetition(s) x {steps} steps, medians; ratios against plain glibc\n")
-    summary = {}
+def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
+    """Ratios against plain glibc of the same workload; the table, data, per test."""
+    lines, data, per_test = [], {"targets": TARGETS}, {}
+    by = {(r["workload"], r["config"]): r for r in records}
     hdr = (f"  {'configuration':<20}{'step s':>9}{'ratio':>8}{'faults/step':>13}"
            f"{'ratio':>9}{'peak RSS MiB':>14}{'ratio':>8}")
     for w in WORKLOADS:
-        print(f"{w}\n{hdr}")
-        base = results[w]["glibc"]
-        b_t = statistics.median(r["step_s"] for r in base)
-        b_f = statistics.median(r["faults_per_step"] for r in base)
-        b_m = statistics.median(r["peak_rss_bytes"] for r in base)
-        summary[w] = {}
-        for c in CONFIGS:
-            rs = results[w][c]
-            if not rs:
-                print(f"  {c:<20}{'not available here':>40}")
-                continue
-            t = statistics.median(r["step_s"] for r in rs)
-            f = statistics.median(r["faults_per_step"] for r in rs)
-            m = statistics.median(r["peak_rss_bytes"] for r in rs)
-            summary[w][c] = {"step_s": t, "step_ratio": t / b_t, "faults_per_step": f,
-                             "faults_ratio": f / b_f if b_f else None,
-                             "peak_rss_bytes": m, "peak_rss_ratio": m / b_m}
-            fr = f"{f / b_f:.3f}" if b_f else "-"
-            print(f"  {c:<20}{t:>9.3f}{t / b_t:>8.2f}{f:>13,.0f}{fr:>9}"
-                  f"{m / 2**20:>14,.0f}{m / b_m:>8.2f}")
-        print()
-    print("targets for memguard-inprocess: step ratio <= 0.83, faults ratio <= 0.01, "
-          "peak RSS ratio <= 1.00")
+        rows = [by[(w, c)] for c in CONFIGS if (w, c) in by]
+        if not rows:
+            continue
+        base = by.get((w, "glibc"))
+        lines.append(f"{w} ({rows[0]['image']} px, median of {rows[0]['rounds']} step(s))")
+        lines.append(hdr)
+        data[w] = {}
+        for r in rows:
+            b = base or {}
+            rs = {"step_ratio": ratio(r["step_s"], b.get("step_s")),
+                  "faults_ratio": ratio(r["faults_per_step"], b.get("faults_per_step")),
+                  "peak_rss_ratio": ratio(r["peak_rss_bytes"], b.get("peak_rss_bytes"))}
+            data[w][r["config"]] = {k: r[k] for k in ("step_s", "faults_per_step",
+                                                       "peak_rss_bytes")} | rs
+            per_test[r["nodeid"]] = dict(rs, baseline="glibc")
+            lines.append(f"  {r['config']:<20}{r['step_s']:>9.3f}{fmt(rs['step_ratio']):>8}"
+                         f"{r['faults_per_step']:>13,.0f}{fmt(rs['faults_ratio'], '.3f'):>9}"
+                         f"{r['peak_rss_bytes'] / 2**20:>14,.0f}"
+                         f"{fmt(rs['peak_rss_ratio']):>8}")
+        lines.append("")
+    lines.append(f"targets for memguard-inprocess: step ratio <= {TARGETS['step_ratio']}, "
+                 f"faults ratio <= {TARGETS['faults_ratio']}, peak RSS ratio <= "
+                 f"{TARGETS['peak_rss_ratio']:.2f}")
     for w in WORKLOADS:
-        s = summary[w].get("memguard-inprocess")
+        s = data.get(w, {}).get("memguard-inprocess")
         if s:
-            ok = (s["step_ratio"] <= 0.83, (s["faults_ratio"] or 0) <= 0.01,
-                  s["peak_rss_ratio"] <= 1.0)
-            print(f"  {w:<16} step {'PASS' if ok[0] else 'OVER'}  faults "
-                  f"{'PASS' if ok[1] else 'OVER'}  peak RSS {'PASS' if ok[2] else 'OVER'}")
-    print(f"\n({time.monotonic() - t_start:.0f} s)")
-    print("BENCH_JSON " + json.dumps(summary, sort_keys=True))
-    return 0
+            v = {k: verdict(s[k], t) for k, t in TARGETS.items()}
+            s["verdict"] = v
+            lines.append(f"  {w:<16} step {v['step_ratio']}  faults {v['faults_ratio']}  "
+                         f"peak RSS {v['peak_rss_ratio']}")
+    return lines, data, per_test
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if sys.argv[1:2] == ["--serve"]:
+        c, w, img = sys.argv[2:5]
+        raise SystemExit(serve(lambda: worker(c, w, int(img))))
+    raise SystemExit(pytest.main([__file__, "--benchmark-only", *sys.argv[1:]]))

@@ -2,8 +2,10 @@
 
 1. Overhead with no pressure: ``guard.step`` (guard installed: sampler and
    gc hooks running, the whole batch in one micro-batch) against a plain
-   training loop, alternating in one process; median step-time ratio.
-   Target: at most 1.02.
+   training loop in the same worker process. pytest-benchmark times both;
+   each ``guard.step`` round is paired with a plain step just before or just
+   after it (alternating), and the figure is the median of the paired
+   ratios. Target: at most 1.02.
 2. A constrained run: a small transformer trained on batches of 64 whose
    sequence length varies (16 tokens, every fourth batch 64), under a tensor
    budget of half what a full long batch needs (memguard's arena enforces
@@ -11,29 +13,29 @@
    batch; ``accelerate.find_executable_batch_size`` restarts the training
    function with 0.9x the batch until one fits, losing the steps done before
    each restart and ending with a smaller effective batch; memguard finishes
-   every step at batch 64. Reported: steps completed, steps lost, effective
-   batch, and throughput against an unconstrained run. Target for memguard:
-   throughput at least 0.7.
+   every step at batch 64. Each round is the whole run in a fresh process
+   (pytest-benchmark times the run, not the start-up). Reported: steps
+   completed, steps lost, effective batch, and throughput against an
+   unconstrained run. Target for memguard: throughput at least 0.7.
 3. The cost of a recovered out-of-memory error: a step that fails at the
-   whole batch and is redone at half, against the normal step of that
-   batch (the whole batch in one piece, timed before the budget is set).
-   Target: at most 1.5x. Also printed against a normal step at half size:
-   the failed attempt's forward pass is lost work either way.
+   whole batch and is redone at half, against the normal step of that batch
+   (the whole batch in one piece, with no budget). Target: at most 1.5x.
+   Also given against a normal step at half size: the failed attempt's
+   forward pass is lost work either way.
 
-Each part's configurations run in fresh processes (the arena and its budget
-are process-wide), interleaved over repetitions; medians are reported.
-
-    python benchmarks/bench_throttle.py [--quick] [--reps N]
+    pytest benchmarks/bench_throttle.py --benchmark-only
+    python benchmarks/bench_throttle.py [pytest options]   (the same)
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+import pytest
+
+from benchlib import Figures, Worker, fmt, median, ratio, serve, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -42,6 +44,14 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 BATCH = 64
 DIM, HEADS, FF, DEPTH, CLASSES = 256, 4, 1024, 4, 10
 SHORT, LONG = 16, 64
+SECTION = "throttle"
+TARGETS = {"overhead": 1.02, "constrained_throughput": 0.7, "oom_cost": 1.5}
+MODES = ["unconstrained", "plain", "accelerate", "memguard"]
+
+#: rounds of each part: (overhead steps, constrained steps, constrained runs,
+#: OOM rounds); the full run and --bench-quick.
+FULL = (20, 16, 3, 5)
+QUICK = (2, 4, 1, 1)
 
 
 # ---------------------------------------------------------------- workload
@@ -94,8 +104,14 @@ def full_long_peak() -> int:
     return memguard.stats()["allocated_bytes.peak"]
 
 
+def _timed(fn, *args) -> dict:
+    t0 = time.perf_counter()
+    fn(*args)
+    return {"s": time.perf_counter() - t0}
+
+
 # ------------------------------------------------------------------ workers
-def work_overhead(steps: int) -> dict:
+def serve_overhead() -> dict:
     import torch
 
     import memguard
@@ -105,89 +121,80 @@ def work_overhead(steps: int) -> dict:
     for _ in range(2):                               # warm up both
         plain_step(batch, net, opt, loss_fn)
         guard.step(batch, loss_fn, opt)
-    ratios = []
-    for i in range(steps):
-        # ABBA order, so neither side always runs after the other
-        order = (False, True) if i % 2 == 0 else (True, False)
-        t = {}
-        for use_guard in order:
-            t0 = time.perf_counter()
-            if use_guard:
-                guard.step(batch, loss_fn, opt)
-            else:
-                plain_step(batch, net, opt, loss_fn)
-            t[use_guard] = time.perf_counter() - t0
-        ratios.append(t[True] / t[False])
-    guard.uninstall()
-    return {"ratio": statistics.median(ratios)}
+    return {"plain": lambda: _timed(plain_step, batch, net, opt, loss_fn),
+            "guard": lambda: _timed(guard.step, batch, loss_fn, opt)}
 
 
-def work_constrained(mode: str, steps: int) -> dict:
-
+def serve_constrained(mode: str, steps: int) -> dict:
     import memguard
     memguard.install()
     budget = full_long_peak() // 2 if mode != "unconstrained" else 0
     net, opt, loss_fn = build()
     data = dataset(steps)
-    memguard.allocator.set_budget(budget or None)
-    res = {"mode": mode, "budget_bytes": budget, "steps_planned": steps, "steps_done": 0,
-           "steps_lost": 0, "restarts": 0, "batch": BATCH, "samples": 0, "failed": None,
-           "seconds": 1.0, "peak_bytes": 0}
-    t0 = time.perf_counter()
-    if mode in ("unconstrained", "plain"):
-        try:
+
+    def run() -> dict:
+        memguard.allocator.set_budget(budget or None)
+        memguard.allocator.reset_peaks()
+        res = {"mode": mode, "budget_bytes": budget, "steps_planned": steps, "steps_done": 0,
+               "steps_lost": 0, "restarts": 0, "batch": BATCH, "samples": 0, "failed": None,
+               "seconds": 1.0, "peak_bytes": 0}
+        t0 = time.perf_counter()
+        if mode in ("unconstrained", "plain"):
+            try:
+                for batch in data:
+                    plain_step(batch, net, opt, loss_fn)
+                    res["steps_done"] += 1
+                    res["samples"] += BATCH
+            except RuntimeError as exc:
+                if not memguard.is_oom(exc):
+                    raise
+                res["failed"] = f"out of memory at step {res['steps_done']}"
+        elif mode == "accelerate":
+            try:
+                from accelerate.utils import find_executable_batch_size
+            except ImportError:
+                res["failed"] = "accelerate is not installed"
+                return res
+
+            progress = {"done": 0}
+
+            @find_executable_batch_size(starting_batch_size=BATCH)
+            def train(batch_size: int) -> int:
+                if progress["done"]:
+                    res["steps_lost"] += progress["done"]
+                    res["restarts"] += 1
+                progress["done"] = 0
+                res["batch"] = batch_size
+                for batch in rebatch(data, batch_size):   # the loader rebuilt at the new size
+                    plain_step(batch, net, opt, loss_fn)
+                    progress["done"] += 1
+                return progress["done"]
+
+            try:
+                res["steps_done"] = train()
+            except RuntimeError as exc:
+                res["failed"] = str(exc)[:120]
+            res["samples"] = steps * BATCH if res["failed"] is None else 0
+        elif mode == "memguard":
+            # the arena holds the budget (as a GPU would); the guard plans against it
+            guard = memguard.Guard(budget=None, allocator=False).install()
+            sizes = set()
             for batch in data:
-                plain_step(batch, net, opt, loss_fn)
+                r = guard.step(batch, loss_fn, opt)
+                sizes.add(r.micro_batch)
                 res["steps_done"] += 1
                 res["samples"] += BATCH
-        except RuntimeError as exc:
-            if not memguard.is_oom(exc):
-                raise
-            res["failed"] = f"out of memory at step {res['steps_done']}"
-    elif mode == "accelerate":
-        try:
-            from accelerate.utils import find_executable_batch_size
-        except ImportError:
-            res["failed"] = "accelerate is not installed"
-            return res
+            res["micro_batches"] = sorted(sizes)
+            res["ooms_recovered"] = guard.ooms_recovered
+            guard.uninstall()
+        res["seconds"] = time.perf_counter() - t0
+        res["peak_bytes"] = memguard.stats()["allocated_bytes.peak"]
+        return res
 
-        progress = {"done": 0}
-
-        @find_executable_batch_size(starting_batch_size=BATCH)
-        def train(batch_size: int) -> int:
-            if progress["done"]:
-                res["steps_lost"] += progress["done"]
-                res["restarts"] += 1
-            progress["done"] = 0
-            res["batch"] = batch_size
-            for batch in rebatch(data, batch_size):   # the loader rebuilt at the new size
-                plain_step(batch, net, opt, loss_fn)
-                progress["done"] += 1
-            return progress["done"]
-
-        try:
-            res["steps_done"] = train()
-        except RuntimeError as exc:
-            res["failed"] = str(exc)[:120]
-        res["samples"] = steps * BATCH if res["failed"] is None else 0
-    elif mode == "memguard":
-        # the arena holds the budget (as a GPU would); the guard plans against it
-        guard = memguard.Guard(budget=None, allocator=False).install()
-        sizes = set()
-        for batch in data:
-            r = guard.step(batch, loss_fn, opt)
-            sizes.add(r.micro_batch)
-            res["steps_done"] += 1
-            res["samples"] += BATCH
-        res["micro_batches"] = sorted(sizes)
-        res["ooms_recovered"] = guard.ooms_recovered
-        guard.uninstall()
-    res["seconds"] = time.perf_counter() - t0
-    res["peak_bytes"] = memguard.stats()["allocated_bytes.peak"]
-    return res
+    return {"run": run}
 
 
-def work_oom_cost(reps: int) -> dict:
+def serve_oom() -> dict:
     import torch
 
     import memguard
@@ -195,105 +202,223 @@ def work_oom_cost(reps: int) -> dict:
     peak = full_long_peak()
     net, opt, loss_fn = build()
     batch = (torch.randn(BATCH, LONG, DIM), torch.randint(0, CLASSES, (BATCH,)))
-    full = []
-    for _ in range(reps + 1):                          # the whole batch, no budget yet
-        t = time.perf_counter()
-        plain_step(batch, net, opt, loss_fn)
-        full.append(time.perf_counter() - t)
-    memguard.allocator.set_budget(int(peak * 0.8))   # the whole batch fails, half fits
-    normal, recovered = [], []
-    for _ in range(reps + 1):
+    budget = int(peak * 0.8)                        # the whole batch fails, half fits
+    relief = {"s": 0.0}
+
+    def whole() -> dict:
+        memguard.allocator.set_budget(None)
+        return _timed(plain_step, batch, net, opt, loss_fn)
+
+    def half() -> dict:
+        memguard.allocator.set_budget(budget)
         g = memguard.Guard(budget=None, micro_batch=BATCH // 2, allocator=False)
-        t = time.perf_counter()
-        g.step(batch, loss_fn, opt)
-        normal.append(time.perf_counter() - t)
+        return _timed(g.step, batch, loss_fn, opt)
+
+    def recovered() -> dict:
+        memguard.allocator.set_budget(budget)
         g = memguard.Guard(budget=None, allocator=False)     # starts at the whole batch
         t = time.perf_counter()
         r = g.step(batch, loss_fn, opt)
-        recovered.append(time.perf_counter() - t)
-        assert r.retries == 1 and r.micro_batch == BATCH // 2, r
-    return {"full_s": statistics.median(full[1:]), "normal_s": statistics.median(normal[1:]),
-            "recovered_s": statistics.median(recovered[1:]),
-            "relief_s": g.gc.stats.relief_seconds}
+        t = time.perf_counter() - t
+        if r.retries != 1 or r.micro_batch != BATCH // 2:
+            raise RuntimeError(f"expected one retry at {BATCH // 2}, got {r}")
+        relief["s"] = g.gc.stats.relief_seconds
+        return {"s": t, "relief_s": relief["s"]}
+
+    return {"whole": whole, "half": half, "recovered": recovered}
 
 
-WORKERS = {"overhead": work_overhead, "constrained": work_constrained, "oom": work_oom_cost}
+SERVERS = {"overhead": serve_overhead, "constrained": serve_constrained, "oom": serve_oom}
 
 
-def spawn(kind: str, *args) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    env.pop("LD_PRELOAD", None)
-    out = subprocess.run([sys.executable, __file__, "--worker", kind, *map(str, args)],
-                         env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"worker {kind} {args} failed:\n{out.stdout}{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-# --------------------------------------------------------------------- main
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=16, help="steps of the constrained run")
-    ap.add_argument("--quick", action="store_true", help="1 repetition, short runs")
-    ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.worker:
+def _setup(kind: str, *args):
+    def build_worker() -> dict:
         import torch
         torch.set_num_threads(2)
-        kind, *args = a.worker
-        fn = WORKERS[kind]
-        print(json.dumps(fn(*[x if not x.isdigit() else int(x) for x in args])))
-        return
-    reps, steps = (1, 8) if a.quick else (a.reps, a.steps)
-    ov_steps = 6 if a.quick else 20
+        return SERVERS[kind](*[int(a) if a.isdigit() else a for a in args])
+    return build_worker
 
-    print(f"bench_throttle: transformer {DEPTH}x{DIM}, batch {BATCH}, 2 threads, "
-          f"{reps} repetition(s)\n")
-    overhead, runs, oom = [], {m: [] for m in
-                               ("unconstrained", "plain", "accelerate", "memguard")}, []
-    for _ in range(reps):
-        overhead.append(spawn("overhead", ov_steps))
-        for m, results in runs.items():
-            results.append(spawn("constrained", m, steps))
-        oom.append(spawn("oom", 3 if a.quick else 5))
 
-    ratio = statistics.median(o["ratio"] for o in overhead)
-    print("1. overhead with no pressure (seq 32): guard.step / plain step, paired")
-    each = ", ".join(f"{o['ratio']:.3f}" for o in overhead)
-    print(f"   per repetition {each}   "
-          f"median {ratio:.3f}  (target <= 1.02)\n")
+def _worker(kind: str, *args) -> Worker:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env.pop("LD_PRELOAD", None)
+    return Worker(__file__, [kind, *map(str, args)], env=env)
 
-    base = statistics.median(r["samples"] / r["seconds"] for r in runs["unconstrained"])
-    budget = runs["memguard"][0]["budget_bytes"]
-    print(f"2. constrained run: {steps} steps of {BATCH}, seq {SHORT} (every 4th {LONG}), "
-          f"budget {budget / 2**20:.0f} MiB = half a full long step's peak")
-    print(f"   {'':14}{'done':>6}{'lost':>6}{'restarts':>9}{'batch':>7}"
-          f"{'throughput':>12}{'peak MiB':>10}  note")
-    for m, rs in runs.items():
-        r = rs[-1]
-        thr = statistics.median(x["samples"] / x["seconds"] for x in rs) / base
-        shown = f"{thr:>11.2f}x" if r["failed"] is None else f"{'-':>12}"
-        note = r["failed"] or (f"micro-batches {r['micro_batches']}, "
-                               f"{r['ooms_recovered']} OOMs recovered" if m == "memguard" else "")
-        print(f"   {m:14}{r['steps_done']:>6}{r['steps_lost']:>6}{r['restarts']:>9}"
-              f"{r['batch']:>7}{shown}{r['peak_bytes'] / 2**20:>10.0f}  {note}")
-    mg = statistics.median(x["samples"] / x["seconds"] for x in runs["memguard"]) / base
-    print(f"   memguard throughput {mg:.2f}x unconstrained (target >= 0.7)\n")
 
-    cost = statistics.median(o["recovered_s"] / o["full_s"] for o in oom)
-    half = statistics.median(o["recovered_s"] / o["normal_s"] for o in oom)
-    ms = {k: statistics.median(o[k] for o in oom) * 1e3
-          for k in ("full_s", "normal_s", "recovered_s", "relief_s")}
-    print(f"3. recovered OOM (seq {LONG}): the whole batch fails under the budget and the "
-          f"step is redone at {BATCH // 2}")
-    print(f"   step of the whole batch (no budget) {ms['full_s']:8.1f} ms")
-    print(f"   step at {BATCH // 2} x 2 (under the budget) {ms['normal_s']:8.1f} ms")
-    print(f"   recovered step                  {ms['recovered_s']:8.1f} ms "
-          f"(relief {ms['relief_s']:.1f} ms)")
-    print(f"   recovered / whole-batch step {cost:.2f}x  (target <= 1.5);  "
-          f"recovered / step at {BATCH // 2} x 2 {half:.2f}x")
+def _section(figures: Figures) -> None:
+    figures.section(SECTION, f"batch throttle: transformer {DEPTH}x{DIM}, batch {BATCH}, "
+                    "2 threads", summarize)
+
+
+# --------------------------------------------------------------- benchmarks
+@pytest.fixture(scope="module")
+def rounds(quick: bool) -> tuple:
+    return QUICK if quick else FULL
+
+
+@pytest.fixture(scope="module")
+def overhead_worker():
+    with _worker("overhead") as w:
+        yield w
+
+
+@pytest.mark.parametrize("loop", ["plain", "guard"])
+def test_overhead(benchmark, figures: Figures, rounds: tuple, overhead_worker: Worker,
+                  loop: str) -> None:
+    """A step at seq 32 with no pressure: plain loop, and guard.step paired with plain."""
+    _section(figures)
+    w, n = overhead_worker, rounds[0]
+    own: list[float] = []
+    paired: list[float] = []
+    benchmark.group = "throttle: step with no pressure (seq 32)"
+    if loop == "plain":
+        benchmark.pedantic(lambda: own.append(w.call("plain")["s"]), rounds=n)
+    else:
+        # alternate the plain step before and after, so neither always runs first
+        i = iter(range(n))
+        state = {"k": 0}
+
+        def setup() -> None:
+            state["k"] = next(i)
+            if state["k"] % 2 == 0:
+                paired.append(w.call("plain")["s"])
+
+        def teardown() -> None:
+            if state["k"] % 2 == 1:
+                paired.append(w.call("plain")["s"])
+
+        benchmark.pedantic(lambda: own.append(w.call("guard")["s"]), setup=setup,
+                           teardown=teardown, rounds=n)
+    fig = {"part": "overhead", "loop": loop, "step_s": median(own)}
+    if paired:
+        fig["paired_ratios"] = [g / p for g, p in zip(own, paired)]
+        fig["ratio"] = statistics.median(fig["paired_ratios"])
+        benchmark.extra_info.update(ratio_to_plain=fig["ratio"])
+    benchmark.extra_info.update(step_s=fig["step_s"])
+    figures.record(SECTION, benchmark.fullname, fig)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_constrained(benchmark, figures: Figures, rounds: tuple, mode: str) -> None:
+    """The whole constrained run, a fresh worker process each round."""
+    _section(figures)
+    steps, n = rounds[1], rounds[2]
+    runs: list[dict] = []
+
+    def setup():
+        return (_worker("constrained", mode, steps),), {}
+
+    benchmark.group = f"throttle: constrained run of {steps} steps"
+    benchmark.pedantic(lambda w: runs.append(w.call("run")), setup=setup,
+                       teardown=lambda w: w.close(), rounds=n)
+    last = runs[-1]
+    fig = dict(last, part="constrained",
+               throughput=median(r["samples"] / r["seconds"] for r in runs
+                                 if r["failed"] is None))
+    benchmark.extra_info.update({k: last.get(k) for k in (
+        "steps_done", "steps_lost", "restarts", "batch", "failed", "peak_bytes",
+        "budget_bytes")})
+    figures.record(SECTION, benchmark.fullname, fig)
+
+
+@pytest.fixture(scope="module")
+def oom_worker():
+    with _worker("oom") as w:
+        yield w
+
+
+@pytest.mark.parametrize("step", ["whole", "half", "recovered"])
+def test_oom_step(benchmark, figures: Figures, rounds: tuple, oom_worker: Worker,
+                  step: str) -> None:
+    """Seq 64: the whole batch (no budget), 2 x 32 under the budget, and a step
+    that fails at 64 under the budget and is redone at 32."""
+    _section(figures)
+    out: list[dict] = []
+    benchmark.group = "throttle: recovered out-of-memory step (seq 64)"
+    benchmark.pedantic(lambda: out.append(oom_worker.call(step)), rounds=rounds[3],
+                       warmup_rounds=1)
+    fig = {"part": "oom", "step": step, "step_s": median(o["s"] for o in out),
+           "relief_s": median(o.get("relief_s") for o in out)}
+    benchmark.extra_info.update(step_s=fig["step_s"])
+    figures.record(SECTION, benchmark.fullname, fig)
+
+
+# ------------------------------------------------------------------ summary
+def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
+    lines: list[str] = []
+    data: dict = {"targets": TARGETS}
+    per_test: dict[str, dict] = {}
+    ov = {r["loop"]: r for r in records if r["part"] == "overhead"}
+    if "guard" in ov:
+        g = ov["guard"]
+        v = verdict(g["ratio"], TARGETS["overhead"])
+        data["overhead"] = {"ratio": g["ratio"], "paired_ratios": g["paired_ratios"],
+                            "guard_step_s": g["step_s"],
+                            "plain_step_s": ov.get("plain", {}).get("step_s"), "verdict": v}
+        per_test[g["nodeid"]] = {"ratio": g["ratio"], "verdict": v}
+        lines.append("1. overhead with no pressure (seq 32): guard.step / plain step, paired")
+        lines.append("   rounds " + ", ".join(f"{x:.3f}" for x in g["paired_ratios"]))
+        lines.append(f"   median {g['ratio']:.3f}  (target <= {TARGETS['overhead']})  {v}")
+        lines.append("")
+    runs = {r["mode"]: r for r in records if r["part"] == "constrained"}
+    if runs:
+        base = runs.get("unconstrained", {}).get("throughput")
+        any_run = next(iter(runs.values()))
+        budget = max(r["budget_bytes"] for r in runs.values())
+        lines.append(f"2. constrained run: {any_run['steps_planned']} steps of {BATCH}, seq "
+                     f"{SHORT} (every 4th {LONG}), budget {budget / 2**20:.0f} MiB = half a "
+                     "full long step's peak")
+        lines.append(f"   {'':14}{'done':>6}{'lost':>6}{'restarts':>9}{'batch':>7}"
+                     f"{'throughput':>12}{'peak MiB':>10}  note")
+        data["constrained"] = {}
+        for m in MODES:
+            r = runs.get(m)
+            if r is None:
+                continue
+            thr = ratio(r["throughput"], base) if r["failed"] is None else None
+            note = r["failed"] or (f"micro-batches {r['micro_batches']}, "
+                                   f"{r['ooms_recovered']} OOMs recovered"
+                                   if m == "memguard" else "")
+            data["constrained"][m] = {k: r.get(k) for k in (
+                "steps_planned", "steps_done", "steps_lost", "restarts", "batch", "failed",
+                "peak_bytes", "budget_bytes", "micro_batches", "ooms_recovered")} | {
+                "throughput_ratio": thr}
+            per_test[r["nodeid"]] = {"throughput_ratio": thr, "baseline": "unconstrained"}
+            shown = f"{thr:>11.2f}x" if thr is not None else f"{'-':>12}"
+            lines.append(f"   {m:14}{r['steps_done']:>6}{r['steps_lost']:>6}{r['restarts']:>9}"
+                         f"{r['batch']:>7}{shown}{r['peak_bytes'] / 2**20:>10.0f}  {note}")
+        mg = data["constrained"].get("memguard", {}).get("throughput_ratio")
+        v = verdict(mg, TARGETS["constrained_throughput"], higher_is_better=True)
+        data["constrained"]["verdict"] = v
+        lines.append(f"   memguard throughput {fmt(mg)}x unconstrained "
+                     f"(target >= {TARGETS['constrained_throughput']})  {v}")
+        lines.append("")
+    oom = {r["step"]: r for r in records if r["part"] == "oom"}
+    if "recovered" in oom:
+        rec = oom["recovered"]
+        whole = oom.get("whole", {}).get("step_s")
+        half = oom.get("half", {}).get("step_s")
+        cost = ratio(rec["step_s"], whole)
+        v = verdict(cost, TARGETS["oom_cost"])
+        data["oom"] = {"whole_s": whole, "half_x2_s": half, "recovered_s": rec["step_s"],
+                       "relief_s": rec["relief_s"], "cost_ratio": cost,
+                       "over_half_x2": ratio(rec["step_s"], half), "verdict": v}
+        per_test[rec["nodeid"]] = {"cost_ratio": cost, "baseline": "whole",
+                                   "over_half_x2": ratio(rec["step_s"], half)}
+        ms = lambda x: "-" if x is None else f"{x * 1e3:8.1f}"
+        lines.append(f"3. recovered OOM (seq {LONG}): the whole batch fails under the budget "
+                     f"and the step is redone at {BATCH // 2}")
+        lines.append(f"   step of the whole batch (no budget) {ms(whole)} ms")
+        lines.append(f"   step at {BATCH // 2} x 2 (under the budget) {ms(half)} ms")
+        lines.append(f"   recovered step                  {ms(rec['step_s'])} ms "
+                     f"(relief {ms(rec['relief_s']).strip()} ms)")
+        lines.append(f"   recovered / whole-batch step {fmt(cost)}x  (target <= "
+                     f"{TARGETS['oom_cost']})  {v};  recovered / step at {BATCH // 2} x 2 "
+                     f"{fmt(ratio(rec['step_s'], half))}x")
+    return lines, data, per_test
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--serve"]:
+        raise SystemExit(serve(_setup(*sys.argv[2:])))
+    raise SystemExit(pytest.main([__file__, "--benchmark-only", *sys.argv[1:]]))

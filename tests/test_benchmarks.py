@@ -1,0 +1,102 @@
+"""The benchmark suite runs under pytest-benchmark and its JSON holds the ratios.
+
+``make bench`` runs ``pytest benchmarks/ --benchmark-only``; here a subset of
+it runs with ``--bench-quick`` (smoke-sized workloads), in a subprocess, and
+the figures that the targets are about are read back from the benchmark JSON
+and the terminal summary. Speed is not judged here: the figures of a quick
+run measure nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("pytest_benchmark")
+pytest.importorskip("torch")
+
+
+def run_bench(tmp_path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env.pop("LD_PRELOAD", None)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def test_suite_is_collected_from_the_benchmarks_directory(tmp_path) -> None:
+    out = run_bench(tmp_path, "benchmarks/", "--benchmark-only", "--collect-only", "-q")
+    assert out.returncode == 0, out.stdout + out.stderr
+    ids = {line.strip() for line in out.stdout.splitlines() if "::" in line}
+    for wanted in ("benchmarks/bench_cpu_allocator.py::test_step[vit-b32-jemalloc]",
+                   "benchmarks/bench_cpu_allocator.py::test_step[dino-multicrop-glibc]",
+                   "benchmarks/bench_throttle.py::test_oom_step[recovered]",
+                   "benchmarks/bench_throttle.py::test_constrained[accelerate]",
+                   "benchmarks/bench_sampler.py::test_sampler_thread[100]",
+                   "benchmarks/bench_cuda.py::test_cuda_budget_held"):
+        assert wanted in ids, sorted(ids)
+    # and `make test` does not run them: tests/ is the only test path
+    out = run_bench(tmp_path, "--collect-only", "-q")
+    assert "benchmarks/" not in out.stdout
+
+
+def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
+    js = tmp_path / "bench.json"
+    nodes = [
+        "benchmarks/bench_cpu_allocator.py::test_step[vit-b8-glibc]",
+        "benchmarks/bench_cpu_allocator.py::test_step[vit-b8-memguard-inprocess]",
+        "benchmarks/bench_throttle.py::test_overhead",
+        "benchmarks/bench_throttle.py::test_oom_step",
+        "benchmarks/bench_throttle.py::test_constrained[unconstrained]",
+        "benchmarks/bench_throttle.py::test_constrained[memguard]",
+        "benchmarks/bench_sampler.py::test_sampler_thread[10]",
+        "benchmarks/bench_cuda.py",
+    ]
+    out = run_bench(tmp_path, *nodes, "--benchmark-only", "--bench-quick",
+                    f"--benchmark-json={js}")
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "memguard: side-by-side figures" in out.stdout
+    data = json.loads(js.read_text())
+    mg = data["memguard"]
+    assert mg["quick"] is True
+
+    cpu = mg["cpu_allocator"]["vit-b8"]
+    assert cpu["glibc"]["step_ratio"] == pytest.approx(1.0)
+    inproc = cpu["memguard-inprocess"]
+    for k in ("step_ratio", "faults_ratio", "peak_rss_ratio"):
+        assert isinstance(inproc[k], float) and inproc[k] > 0, inproc
+    assert set(inproc["verdict"]) == {"step_ratio", "faults_ratio", "peak_rss_ratio"}
+
+    thr = mg["throttle"]
+    assert len(thr["overhead"]["paired_ratios"]) == 2
+    assert thr["overhead"]["ratio"] > 0
+    assert thr["oom"]["cost_ratio"] > 1.0      # a failed attempt is never free
+    assert thr["constrained"]["memguard"]["steps_done"] == 4
+    assert thr["constrained"]["memguard"]["batch"] == 64
+    assert thr["constrained"]["memguard"]["ooms_recovered"] >= 1
+    assert thr["constrained"]["memguard"]["throughput_ratio"] > 0
+
+    th = mg["sampler"]["thread"]["10ms"]
+    assert th["target_pct"] == 1.0 and th["live_pct"] > 0
+
+    import torch
+    if not torch.cuda.is_available():
+        assert mg["cuda"] == {"measured": False, "reason": mg["cuda"]["reason"]}
+        assert "not measured" in mg["cuda"]["reason"]
+
+    # each benchmark's own ratios land in its extra_info
+    by_name = {b["fullname"]: b for b in data["benchmarks"]}
+    extra = by_name["benchmarks/bench_cpu_allocator.py::test_step[vit-b8-memguard-inprocess]"][
+        "extra_info"]
+    assert extra["baseline"] == "glibc"
+    assert extra["step_ratio"] == pytest.approx(inproc["step_ratio"])
+    assert extra["faults_per_step"] >= 0 and extra["peak_rss_bytes"] > 0
+    rec = by_name["benchmarks/bench_throttle.py::test_oom_step[recovered]"]["extra_info"]
+    assert rec["cost_ratio"] == pytest.approx(thr["oom"]["cost_ratio"])
+    # pytest-benchmark's own timings are there, one round per step
+    assert by_name["benchmarks/bench_throttle.py::test_oom_step[whole]"]["stats"]["rounds"] == 1
