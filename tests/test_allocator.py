@@ -238,3 +238,35 @@ def test_cache_limit_releases_past_it():
     finally:
         memguard.allocator.set_cache_limit(None)
     assert memguard.stats()["cache_limit_bytes"] == 0
+
+
+
+def test_budget_releases_only_the_cache_that_makes_room():
+    """What stays cached is what the retry after an out-of-memory error reuses
+    without faulting it in again."""
+    gc.collect()
+    memguard.trim()
+    base = memguard.stats()["reserved_bytes.current"]
+    memguard.allocator.set_budget(base + 64 * MiB)
+    def block(n: int) -> torch.Tensor:        # a request that fills an n MiB block
+        return torch.empty(n * MiB - 64, dtype=torch.uint8)   # (64 bytes of header)
+
+    keep = block(24)
+    for n in (8, 12, 16):                      # cached: three blocks, 36 MiB
+        block(n).fill_(1)
+    s0 = memguard.stats()
+    assert s0["cached_bytes"] == 36 * MiB
+    # 48 MiB cannot fit beside the 24 MiB in use, cache or not: nothing released
+    with pytest.raises(RuntimeError) as exc:
+        block(48)
+    assert memguard.is_oom(exc.value)
+    s1 = memguard.stats()
+    assert (s1["cached_bytes"], s1["num_trims"]) == (s0["cached_bytes"], s0["num_trims"])
+    # 20 MiB fits once the largest cached block (16 MiB) goes; the others stay
+    t = block(20)
+    s2 = memguard.stats()
+    assert s2["num_trims"] == s1["num_trims"] + 1
+    assert s2["trimmed_bytes"] - s1["trimmed_bytes"] == 16 * MiB
+    assert s2["cached_bytes"] == 20 * MiB
+    assert s2["reserved_bytes.current"] == base + 64 * MiB
+    del keep, t, exc

@@ -9,8 +9,11 @@
  *
  * The budget bounds reserved bytes (allocated + cached blocks; a slab counts
  * the blocks carved from it, not its untouched tail) by an
- * atomic reserve, compare, roll back; before failing, the allocation releases
- * cached blocks. Nothing here calls Python or blocks on anything but a
+ * atomic reserve, compare, roll back. An allocation with no room under it
+ * releases the largest cached blocks, as many as make room, else fails
+ * (releasing nothing when the whole cache would not make room): under a
+ * tight budget, what stays cached is reused warm instead of being released
+ * and faulted in again. Nothing here calls Python or blocks on anything but a
  * short, leaf-level mutex; other classes' locks are only ever try-locked. */
 #include <errno.h>
 #include <pthread.h>
@@ -248,12 +251,17 @@ static uint64_t release_cache(uint64_t keep, int try)
 }
 
 /* Count bytes as reserved if the budget allows, releasing cache first when
- * it does not. 0 or ENOMEM. Under a budget this is a compare-exchange, not
+ * it does not: the largest cached blocks, only as many as make room (what
+ * stays cached is what the next allocations reuse without faulting it in),
+ * then, if racing threads took that room, all of them. When even the whole
+ * cache would not make room, nothing is released: the allocation fails and
+ * the cache stays warm for the smaller retry that follows an out-of-memory
+ * error. 0 or ENOMEM. Under a budget this is a compare-exchange, not
  * add-then-roll-back: a transient overshoot would be seen by stats readers
  * and would make a racing allocation fail although both fit. */
 static int reserve(uint64_t bytes)
 {
-    for (int attempt = 0; attempt < 2; attempt++) {
+    for (int attempt = 0;; attempt++) {
         uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
         if (!budget) {
             peak(&A.reserved_peak, atomic_fetch_add(&A.reserved, bytes) + bytes);
@@ -266,10 +274,15 @@ static int reserve(uint64_t bytes)
                 return 0;
             }
         }
-        if (attempt == 0)
-            release_cache(0, 1);
+        if (attempt == 2 || bytes > budget)
+            return ENOMEM;
+        /* cur + bytes > budget here; cur itself may be above a lowered budget */
+        uint64_t need = cur > budget ? (cur - budget) + bytes : bytes - (budget - cur);
+        uint64_t cached = atomic_load(&A.cached);
+        if (need > cached)
+            return ENOMEM;
+        release_cache(attempt == 0 ? cached - need : 0, 1);
     }
-    return ENOMEM;
 }
 
 /* Undo a reserve whose allocation failed after all. */
@@ -374,25 +387,36 @@ static int large_alloc(size_t size, size_t align, void **out)
     large_hdr_t *h = NULL;
     int hit = 0;
     pthread_mutex_lock(&k->lock);
-    /* a cached block whose pointer offset fits this alignment */
+    /* a cached block whose pointer offset fits this alignment: a resident
+     * one, else one given back to the kernel (reused, it faults in again) */
+    large_hdr_t **rel = NULL;
     for (large_hdr_t **pp = (large_hdr_t **)&k->free; *pp; pp = &(*pp)->next) {
         large_hdr_t *b = *pp;
-        if (((uintptr_t)(b->block + off) & (align - 1)) == 0) {
-            if (b->released && reserve(b->block_size) != 0)
-                break;
+        if (((uintptr_t)(b->block + off) & (align - 1)) != 0)
+            continue;
+        if (!b->released) {
             *pp = b->next;
-            if (!b->released)
-                atomic_fetch_sub(&A.cached, b->block_size);
+            atomic_fetch_sub(&A.cached, b->block_size);
             h = b;
             hit = 1;
             break;
         }
+        if (!rel)
+            rel = pp;
     }
     if (!h) {
+        /* new memory, releasing cache for it if need be */
         if (reserve(csize) != 0) {
             pthread_mutex_unlock(&k->lock);
             return ENOMEM;
         }
+        if (rel) { /* reserved above: the released block takes it */
+            h = *rel;
+            *rel = h->next;
+            hit = 1;
+        }
+    }
+    if (!hit) {
         char *block = carve_large(csize, align);
         if (!block) { /* the large range is used up */
             unreserve(csize);
@@ -486,8 +510,9 @@ size_t mg_arena_usable_size(const void *p)
 void mg_arena_set_budget(uint64_t bytes)
 {
     atomic_store(&A.budget, bytes);
-    if (bytes && init_rc == 0 && atomic_load(&A.reserved) > bytes)
-        release_cache(0, 0);
+    uint64_t r = atomic_load(&A.reserved), c = atomic_load(&A.cached);
+    if (bytes && init_rc == 0 && r > bytes) /* release the excess, if the cache holds it */
+        release_cache(r - bytes < c ? c - (r - bytes) : 0, 0);
 }
 
 void mg_arena_set_cache_limit(uint64_t bytes)

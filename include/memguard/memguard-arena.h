@@ -6,7 +6,8 @@
  * pointer ours" is a range check. Blocks come in size classes (four per
  * doubling) and freed blocks stay cached for reuse; cached large blocks are
  * given back to the kernel (MADV_DONTNEED) on request or before an
- * allocation would pass the budget. The budget bounds reserved memory:
+ * allocation would pass the budget (the largest first, as many as make room;
+ * none when the whole cache would not). The budget bounds reserved memory:
  * allocated blocks plus cached ones plus the slabs small blocks live in.
  */
 #ifndef MEMGUARD_ARENA_H
@@ -60,7 +61,8 @@ MG_ARENA_API void mg_arena_free(void *p);
 MG_ARENA_API int mg_arena_owns(const void *p);
 /** Usable size of an arena block (its class size less any header). */
 MG_ARENA_API size_t mg_arena_usable_size(const void *p);
-/** Set the budget in bytes (0: none). Takes effect for the next allocation. */
+/** Set the budget in bytes (0: none). Takes effect for the next allocation;
+ * cached blocks past it are released at once. */
 MG_ARENA_API void mg_arena_set_budget(uint64_t bytes);
 /** Keep at most @p bytes of freed large blocks cached (0: no limit beyond
  * the budget); past it, a free releases the oldest cached blocks at once. */

@@ -638,28 +638,41 @@ static void test_budget(void)
     CHECK_EQ(s2.cached_bytes, 64 * MiB);
     CHECK_EQ(s2.reserved_current, budget);
 
-    /* a new size does not fit beside the cache: the cache goes first */
+    /* larger than the whole budget: refused, and the cache stays */
+    CHECK_EQ(mg_arena_alloc(budget + MiB, 64, &x), ENOMEM);
+    CHECK_EQ(st().cached_bytes, 64 * MiB);
+    CHECK_EQ(st().num_trims, s2.num_trims);
+
+    /* a new size does not fit beside the cache: the largest cached blocks
+     * go first, only as many as make room (40 MiB, then 16: 48 needed) */
     CHECK_EQ(mg_arena_alloc(m48, 64, &x), 0);
     mg_arena_stats_t s3 = st();
     CHECK_EQ(s3.num_trims - s2.num_trims, 1);
-    CHECK_EQ(s3.trimmed_bytes - s2.trimmed_bytes, 64 * MiB);
-    CHECK_EQ(s3.cached_bytes, 0);
-    CHECK_EQ(s3.reserved_current, r0 + 48 * MiB);
-    CHECK_EQ(s3.num_ooms, s2.num_ooms);
+    CHECK_EQ(s3.trimmed_bytes - s2.trimmed_bytes, 56 * MiB);
+    CHECK_EQ(s3.cached_bytes, 8 * MiB);
+    CHECK_EQ(s3.reserved_current, r0 + 56 * MiB);
+    CHECK_EQ(s3.num_ooms, s2.num_ooms + 1); /* the one refused above */
     CHECK(s3.reserved_peak <= budget);
+    /* more than the allocated blocks leave room for, even with the cache
+     * released (32 MiB needed, 8 cached): refused without releasing it */
+    CHECK_EQ(mg_arena_alloc(m40, 64, &c), ENOMEM);
+    CHECK_EQ(st().cached_bytes, 8 * MiB);
+    CHECK_EQ(st().num_trims, s3.num_trims);
     mg_arena_free(x);
 
-    /* a lower budget releases the cache at once */
+    /* a lower budget releases the cache past it at once, the largest first */
     budget = r0 + 16 * MiB;
     mg_arena_set_budget(budget);
     mg_arena_stats_t s4 = st();
-    CHECK_EQ(s4.cached_bytes, 0);
-    CHECK_EQ(s4.reserved_current, r0);
+    CHECK_EQ(s4.cached_bytes, 8 * MiB);
+    CHECK_EQ(s4.reserved_current, r0 + 8 * MiB);
     CHECK_EQ(s4.num_trims - s3.num_trims, 1);
     /* the released 48 MiB block cannot come back under it */
     CHECK_EQ(mg_arena_alloc(m48, 64, &x), ENOMEM);
-    CHECK_EQ(st().reserved_current, r0);
+    CHECK_EQ(st().reserved_current, r0 + 8 * MiB);
+    /* a 16 MiB one can, once the 8 MiB left cached makes room */
     CHECK_EQ(mg_arena_alloc(m16, 64, &c), 0);
+    CHECK_EQ(st().cached_bytes, 0);
     CHECK_EQ(st().reserved_current, budget);
     CHECK_EQ(mg_arena_alloc(MiB, 64, &d), ENOMEM);
     /* small blocks in a slab chunk that has room need no new reservation */
@@ -668,7 +681,7 @@ static void test_budget(void)
     CHECK_EQ(st().reserved_current, budget);
     mg_arena_free(s);
     mg_arena_free(c);
-    CHECK_EQ(st().num_ooms - s0.num_ooms, 4);
+    CHECK_EQ(st().num_ooms - s0.num_ooms, 6);
 
     /* a budget below what is reserved and not cached: nothing new fits */
     mg_arena_set_budget(r0 / 2 ? r0 / 2 : 1);
