@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from benchlib import Figures, median, ratio, verdict
+from benchlib import Figures, fmt, median, ratio, verdict
 from memguard import _C
 
 #: Thread CPU targets, percent of one core, by interval in milliseconds.
@@ -252,10 +252,6 @@ def _row(label: str, cells: list[str], width: int = 52) -> str:
     return "  " + label.ljust(width) + "".join(c.rjust(11) for c in cells)
 
 
-def _f(v: float | None, digits: int = 2) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
 def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
     """The sample, thread and per-source tables; thread ratios to the targets."""
     lines: list[str] = []
@@ -275,8 +271,8 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
             data["sample_cost_us"][v] = {"hot_us": h, "cold_us": c,
                                          "cold_over_hot": ratio(c, h),
                                          "hot_call_us": hot.get("call_us")}
-            lines.append(_row(label, [_f(h), _f(c), _f(ratio(c, h)),
-                                      _f(hot.get("call_us"))]))
+            lines.append(_row(label, [fmt(h), fmt(c), fmt(ratio(c, h)),
+                                      fmt(hot.get("call_us"))]))
         lines.append("")
     threads = {r["interval_ms"]: r for r in records if r["kind"] == "thread"}
     if threads:
@@ -292,12 +288,13 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
                 "sources_over_target": ratio(t["sources_pct"], t["target_pct"]), "verdict": v}
             per_test[t["nodeid"]] = {"live_over_target": over, "verdict": v}
             lines.append(_row(f"interval {iv} ms", [
-                _f(t["live_pct"], 4), _f(t["empty_roots_pct"], 4), _f(t["sources_pct"], 4),
-                _f(t["target_pct"]), _f(over), v]))
+                fmt(t["live_pct"], ".4f"), fmt(t["empty_roots_pct"], ".4f"),
+                fmt(t["sources_pct"], ".4f"),
+                fmt(t["target_pct"]), fmt(over), v]))
         for iv, t in sorted(threads.items(), reverse=True):
             lines.append(_row(f"interval {iv} ms, CPU us per wake", [
-                _f(t["live_us_per_wake"], 1), _f(t["empty_roots_us_per_wake"], 1),
-                _f(t["sources_us_per_wake"], 1)]))
+                fmt(t["live_us_per_wake"], ".1f"), fmt(t["empty_roots_us_per_wake"], ".1f"),
+                fmt(t["sources_us_per_wake"], ".1f")]))
         lines.append("")
     sources = [r for r in records if r["kind"] in ("source", "rollup")]
     if sources:
@@ -307,11 +304,11 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
         for r in sources:
             if r["kind"] == "rollup":
                 data["sources"][SMAPS_ROLLUP] = {"once_us": r["once_us"]}
-                lines.append(_row(f"{SMAPS_ROLLUP} (never periodic)", [_f(r["once_us"])]))
+                lines.append(_row(f"{SMAPS_ROLLUP} (never periodic)", [fmt(r["once_us"])]))
                 continue
             over = None if floor is None or r["path"] == PYTHON_FLOOR else r["cold_us"] - floor
             data["sources"][r["path"]] = {"hot_us": r["hot_us"], "cold_us": r["cold_us"]}
-            lines.append(_row(r["path"], [_f(r["hot_us"]), _f(r["cold_us"]), _f(over)]))
+            lines.append(_row(r["path"], [fmt(r["hot_us"]), fmt(r["cold_us"]), fmt(over)]))
     return lines, data, per_test
 
 

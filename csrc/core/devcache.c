@@ -52,12 +52,12 @@ struct chunk {
     char *ptr;
     size_t size;
     size_t live;          /* blocks of it in use */
+    int dying;            /* being released (release()) */
     chunk_t *next;
 };
 
 typedef struct pool {
     void *stream;
-    int used;
     blk_t *free[N_CLASSES];
     char *bump[2], *bump_end[2]; /* carving: [0] small, [1] medium */
     chunk_t *cur[2];             /* the chunks being carved */
@@ -256,16 +256,16 @@ static void backend_free(mgdev_t *d, int device, void *p, size_t size)
 static uint64_t release(mgdev_t *d, int device, uint64_t want)
 {
     uint64_t freed = 0;
-    for (int c = N_CLASSES - 1; c >= 0 && freed < want; c--) {
+    size_t ignored;
+    /* classes up to MEDIUM_MAX's hold carved blocks only, the others large
+     * blocks only */
+    const int carved_max = (int)class_of(MEDIUM_MAX, &ignored);
+    for (int c = N_CLASSES - 1; c > carved_max && freed < want; c--) {
         for (int i = 0; i < d->n_pools && freed < want; i++) {
             pool_t *pl = &d->pools[i];
-            for (blk_t **pp = &pl->free[c]; *pp && freed < want;) {
-                blk_t *b = *pp;
-                if (b->chunk) {
-                    pp = &b->next;
-                    continue;
-                }
-                *pp = b->next;
+            while (pl->free[c] && freed < want) {
+                blk_t *b = pl->free[c];
+                pl->free[c] = b->next;
                 d->st.cached_bytes -= b->size;
                 backend_free(d, device, b->ptr, b->size);
                 freed += b->size;
@@ -275,34 +275,45 @@ static uint64_t release(mgdev_t *d, int device, uint64_t want)
     }
     for (int i = 0; i < d->n_pools && freed < want; i++) {
         pool_t *pl = &d->pools[i];
+        /* the chunks to release, marked first: then one pass over the
+         * carved classes unlists all their (cached) blocks */
+        chunk_t *dead = NULL;
         for (chunk_t **cp = &pl->chunks; *cp && freed < want;) {
             chunk_t *ch = *cp;
             if (ch->live) {
                 cp = &ch->next;
                 continue;
             }
-            /* unlist its carved blocks, all cached */
-            for (int c = 0; c < N_CLASSES; c++) {
-                for (blk_t **pp = &pl->free[c]; *pp;) {
-                    blk_t *b = *pp;
-                    if (b->chunk != ch) {
-                        pp = &b->next;
-                        continue;
-                    }
-                    *pp = b->next;
-                    d->st.cached_bytes -= b->size;
-                    desc_drop(d, b);
-                }
-            }
+            *cp = ch->next;
+            ch->dying = 1;
+            ch->next = dead;
+            dead = ch;
+            freed += ch->size;
             for (int k = 0; k < 2; k++) {
                 if (pl->cur[k] == ch) {
                     pl->cur[k] = NULL;
                     pl->bump[k] = pl->bump_end[k] = NULL;
                 }
             }
-            *cp = ch->next;
+        }
+        if (!dead)
+            continue;
+        for (int c = 0; c <= carved_max; c++) {
+            for (blk_t **pp = &pl->free[c]; *pp;) {
+                blk_t *b = *pp;
+                if (!b->chunk || !b->chunk->dying) {
+                    pp = &b->next;
+                    continue;
+                }
+                *pp = b->next;
+                d->st.cached_bytes -= b->size;
+                desc_drop(d, b);
+            }
+        }
+        while (dead) {
+            chunk_t *ch = dead;
+            dead = ch->next;
             backend_free(d, device, ch->ptr, ch->size);
-            freed += ch->size;
             free(ch);
         }
     }
@@ -359,7 +370,6 @@ static int find_pool(mgdev_t *d, void *stream)
     pool_t *pl = &d->pools[d->n_pools];
     memset(pl, 0, sizeof(*pl));
     pl->stream = stream;
-    pl->used = 1;
     d->st.streams = (uint64_t)d->n_pools + 1;
     return d->last_pool = d->n_pools++;
 }
@@ -381,6 +391,7 @@ static int carve(mgdev_t *d, int device, pool_t *pl, int k, size_t csize, char *
         ch->ptr = mem;
         ch->size = chunk_size;
         ch->live = 0;
+        ch->dying = 0;
         ch->next = pl->chunks;
         pl->chunks = ch;
         pl->cur[k] = ch;

@@ -28,8 +28,9 @@ PyObject *mgpy_cuda_init(PyObject *m, PyObject *args, PyObject *kw)
         b = mgi_host_backend(capacity);
         mode = MGI_OOM_NULL;
     } else {
-        return PyErr_Format(PyExc_ValueError, "backend must be 'cuda' or 'host', not %R",
-                            PyTuple_GET_ITEM(args, 0));
+        /* backend may have come as a keyword: args holds nothing then */
+        return PyErr_Format(PyExc_ValueError, "backend must be 'cuda' or 'host', not '%s'",
+                            backend);
     }
     if (mode == MGI_OOM_THROW && mgi_cuda_set_oom_mode(mode) != 0) {
         PyErr_SetString(PyExc_RuntimeError,

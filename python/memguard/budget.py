@@ -61,5 +61,11 @@ def parse_budget(value: str | int, total: int | None = None) -> int:
         raise ValueError(f"total {total!r} is not a positive number of bytes")
     available = 0
     if total is None:
-        total, available = _system_limits()
+        # only "auto" and percentages depend on the machine: a size does not
+        # need a system sample
+        relative = value.strip()
+        if relative.lower() == "auto" or relative.endswith("%"):
+            total, available = _system_limits()
+        else:
+            total = 0
     return _C.parse_budget(value, total, available)

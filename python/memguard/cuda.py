@@ -387,17 +387,6 @@ class Governor:
         if self.on_event is not None:
             self.on_event("cuda_oom", ev)
 
-    def relieve(self) -> int:
-        """Give cached CUDA memory back: ``torch.cuda.empty_cache()`` under
-        PyTorch's allocator, a trim of memguard's. Returns bytes released
-        where known."""
-        if self.allocator == "memguard":
-            return int(_C.cuda_trim(self.device if self.device is not None else -1))
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-        return 0
-
 
 _private: Any = None
 

@@ -187,10 +187,15 @@ class _PeakMeter:
         pid = os.getpid()
         if self._fds is None or self._fds[0] != pid:
             try:
-                self._fds = (pid, os.open("/proc/self/clear_refs", os.O_WRONLY),
-                             os.open("/proc/self/status", os.O_RDONLY))
+                clear = os.open("/proc/self/clear_refs", os.O_WRONLY)
             except OSError:
                 return None
+            try:
+                status = os.open("/proc/self/status", os.O_RDONLY)
+            except OSError:
+                os.close(clear)     # not kept: no descriptor leaks per step
+                return None
+            self._fds = (pid, clear, status)
         return self._fds
 
     def stop(self) -> int:

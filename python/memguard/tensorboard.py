@@ -5,21 +5,20 @@
     from memguard.tensorboard import TensorBoardExporter
 
     tb = TensorBoardExporter("runs/exp1")
-    guard = memguard.Guard(budget="auto", telemetry=tb)   # samples go to tb
+    guard = memguard.Guard(budget="auto", telemetry=tb)   # samples and events go to tb
     with guard:
-        for i, batch in enumerate(loader):
-            res = guard.step(batch, loss_fn, optimizer)
-            tb.event("step", step=i, micro_batch=res.micro_batch, n_micro=res.n_micro,
-                     retries=res.retries, peak_bytes=res.peak_bytes, loss=res.loss)
+        for batch in loader:
+            guard.step(batch, loss_fn, optimizer)
     tb.close()
 
 Like the JSONL and CSV exporters it is a callable taking a
 :class:`~memguard.telemetry.Sample` (``sampler.on_sample(tb)``, or
 ``Guard(telemetry=tb)``, which registers it and leaves closing it to you)
 with an :meth:`~TensorBoardExporter.event` method taking the guard's events
-(``step``, ``oom_recovered``, ``relieve``, ``checkpoint``, ...). The guard
-forwards its own events to JSONL exporters only, so with this exporter the
-script passes them on, as above. Samples are written at their ``seq``,
+(``step``, ``oom_recovered``, ``relieve``, ``checkpoint``, ...): the guard
+forwards its events to any exporter with ``event``, this one included. A
+script passes events on itself only where the guard's telemetry is another
+exporter and ``tb`` is attached with ``sampler.on_sample(tb)``. Samples are written at their ``seq``,
 events at the training step (the ``step`` field, or the last one seen), both
 with their wall time.
 
