@@ -76,10 +76,15 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     assert len(thr["overhead"]["paired_ratios"]) == 2
     assert thr["overhead"]["ratio"] > 0
     assert thr["oom"]["cost_ratio"] > 1.0      # a failed attempt is never free
+    # the recovered step is paired with a whole-batch step, round by round
+    assert len(thr["oom"]["paired_ratios"]) == 1
+    assert thr["oom"]["cost_ratio"] == pytest.approx(thr["oom"]["paired_ratios"][0])
     assert thr["constrained"]["memguard"]["steps_done"] == 4
     assert thr["constrained"]["memguard"]["batch"] == 64
     assert thr["constrained"]["memguard"]["ooms_recovered"] >= 1
     assert thr["constrained"]["memguard"]["throughput_ratio"] > 0
+    assert thr["constrained"]["memguard"]["throughput_ratio"] == pytest.approx(
+        thr["constrained"]["memguard"]["paired_ratios"][0])    # paired with one round
 
     th = mg["sampler"]["thread"]["10ms"]
     assert th["target_pct"] == 1.0 and th["live_pct"] > 0
