@@ -7,7 +7,10 @@ at process start); pytest-benchmark times its steps from here, one round a
 step, after one untimed warm-up step (the optimizer's state is allocated in
 the first). The configurations of a workload run one after the other, and the
 ratios against plain glibc use the medians of the steps as each worker timed
-them (the pipe's round trip left out).
+them (the pipe's round trip left out). memguard in-process, the configuration
+with targets, is interleaved with plain glibc: glibc's worker stays up, each
+memguard step is paired with a glibc step just before or just after it
+(alternating), and its step ratio is the median of the paired ratios.
 
 Workloads: a ViT-S encoder (dim 384, depth 12, 6 heads, 16 px patches of
 224 px images) at batch 8 and 32, and a DINO-like multi-crop step (batch 8:
@@ -125,9 +128,37 @@ def worker(config: str, workload: str, image: int) -> dict:
 
 
 # ------------------------------------------------------------- the benchmark
+#: configurations whose every step is paired with a plain glibc step
+PAIRED = ("memguard-inprocess",)
+
+
+@pytest.fixture(scope="module")
+def glibc_workers():
+    """Plain glibc's worker of the workload under test, kept for the
+    configurations paired with it (one workload's at a time)."""
+    live: dict[str, Worker] = {}
+
+    def get(workload: str, image: int, warmup: int) -> Worker:
+        if workload not in live:
+            for w in live.values():
+                w.close()
+            live.clear()
+            w = Worker(__file__, ["glibc", workload, str(image)], env=config_env("glibc"))
+            w.__enter__()
+            for _ in range(warmup):
+                w.call("step")
+            live[workload] = w
+        return live[workload]
+
+    yield get
+    for w in live.values():
+        w.close()
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_step(benchmark, figures: Figures, quick: bool, workload: str, config: str) -> None:
+def test_step(benchmark, figures: Figures, quick: bool, glibc_workers, workload: str,
+              config: str) -> None:
     figures.section(SECTION, "CPU allocator: training step against plain glibc "
                     "(each configuration in its own process, 2 threads)", summarize)
     image, warmup, rounds = QUICK if quick else FULL
@@ -136,14 +167,37 @@ def test_step(benchmark, figures: Figures, quick: bool, workload: str, config: s
         pytest.skip(f"{config}: libjemalloc2 is not installed")
     benchmark.group = f"cpu allocator: {workload}"
     steps: list[dict] = []
-    with Worker(__file__, [config, workload, str(image)], env=env) as w:
-        for _ in range(warmup):
-            w.call("step")
+    paired: list[dict] = []
+    if config == "glibc":
+        w = glibc_workers(workload, image, warmup)
         benchmark.pedantic(lambda: steps.append(w.call("step")), rounds=rounds)
         peak = w.call("peak")["peak_rss_bytes"]
+    else:
+        base = glibc_workers(workload, image, warmup) if config in PAIRED else None
+        k = iter(range(rounds))
+        state = {"k": 0}
+
+        def setup() -> None:
+            state["k"] = next(k)
+            if base is not None and state["k"] % 2 == 0:
+                paired.append(base.call("step"))
+
+        def teardown() -> None:
+            if base is not None and state["k"] % 2 == 1:
+                paired.append(base.call("step"))
+
+        with Worker(__file__, [config, workload, str(image)], env=env) as w:
+            for _ in range(warmup):
+                w.call("step")
+            benchmark.pedantic(lambda: steps.append(w.call("step")), setup=setup,
+                               teardown=teardown, rounds=rounds)
+            peak = w.call("peak")["peak_rss_bytes"]
     fig = {"workload": workload, "config": config, "image": image, "rounds": rounds,
            "step_s": median(s["step_s"] for s in steps),
            "faults_per_step": median(s["faults"] for s in steps), "peak_rss_bytes": peak}
+    if paired:
+        fig["paired_ratios"] = [s["step_s"] / g["step_s"] for s, g in zip(steps, paired)]
+        fig["paired_step_ratio"] = median(fig["paired_ratios"])
     benchmark.extra_info.update({k: fig[k] for k in ("step_s", "faults_per_step",
                                                       "peak_rss_bytes")})
     figures.record(SECTION, benchmark.fullname, fig)
@@ -165,16 +219,23 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
         data[w] = {}
         for r in rows:
             b = base or {}
-            rs = {"step_ratio": ratio(r["step_s"], b.get("step_s")),
+            paired = r.get("paired_step_ratio")
+            rs = {"step_ratio": paired or ratio(r["step_s"], b.get("step_s")),
                   "faults_ratio": ratio(r["faults_per_step"], b.get("faults_per_step")),
                   "peak_rss_ratio": ratio(r["peak_rss_bytes"], b.get("peak_rss_bytes"))}
             data[w][r["config"]] = {k: r[k] for k in ("step_s", "faults_per_step",
                                                        "peak_rss_bytes")} | rs
+            if "paired_ratios" in r:
+                data[w][r["config"]]["paired_ratios"] = r["paired_ratios"]
             per_test[r["nodeid"]] = dict(rs, baseline="glibc")
             lines.append(f"  {r['config']:<20}{r['step_s']:>9.3f}{fmt(rs['step_ratio']):>8}"
                          f"{r['faults_per_step']:>13,.0f}{fmt(rs['faults_ratio'], '.3f'):>9}"
                          f"{r['peak_rss_bytes'] / 2**20:>14,.0f}"
                          f"{fmt(rs['peak_rss_ratio']):>8}")
+        for r in rows:
+            if "paired_ratios" in r:
+                lines.append(f"  {r['config']}: step ratio paired round by round with a glibc "
+                             "step: " + ", ".join(f"{x:.3f}" for x in r["paired_ratios"]))
         lines.append("")
     lines.append(f"targets for memguard-inprocess: step ratio <= {TARGETS['step_ratio']}, "
                  f"faults ratio <= {TARGETS['faults_ratio']}, peak RSS ratio <= "

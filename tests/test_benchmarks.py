@@ -71,6 +71,9 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     for k in ("step_ratio", "faults_ratio", "peak_rss_ratio"):
         assert isinstance(inproc[k], float) and inproc[k] > 0, inproc
     assert set(inproc["verdict"]) == {"step_ratio", "faults_ratio", "peak_rss_ratio"}
+    # interleaved with glibc: its step ratio is the median of the paired rounds
+    assert len(inproc["paired_ratios"]) == 1
+    assert inproc["step_ratio"] == pytest.approx(inproc["paired_ratios"][0])
 
     thr = mg["throttle"]
     assert len(thr["overhead"]["paired_ratios"]) == 2
