@@ -57,15 +57,32 @@ def loss_of(model: torch.nn.Module, teacher: torch.nn.Module | None,
     return torch.nn.functional.mse_loss(out, y)
 
 
-def reference(steps: int, world_batch: int, teacher: bool,
-              h: int) -> dict[str, torch.Tensor]:
-    """Single-process training at the same effective batch."""
+def masked_loss_of(model: torch.nn.Module, x: torch.Tensor,
+                   y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A caller-weighted loss: the mean over the samples whose first target
+    is positive (a masked-token count's kind), and that count as weight."""
+    per_sample = (model(x).mean(1) - y).pow(2).mean(1)
+    mask = (y[:, 0] > 0).to(per_sample.dtype)
+    count = mask.sum()
+    return (per_sample * mask).sum() / count.clamp(min=1), count
+
+
+def reference(steps: int, world_batch: int, teacher: bool, h: int,
+              caller_weights: bool = False, world: int = 2) -> dict[str, torch.Tensor]:
+    """Single-process training at the same effective batch; with caller
+    weights, each rank's weighted mean averaged over the ranks (DDP's way)."""
     model, t = make_models(teacher, h)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     xs, ys = make_data(steps, world_batch)
     for s in range(steps):
         opt.zero_grad()
-        loss_of(model, t, xs[s], ys[s]).backward()
+        if caller_weights:
+            per = world_batch // world
+            sum(masked_loss_of(model, xs[s, r * per:(r + 1) * per],
+                               ys[s, r * per:(r + 1) * per])[0]
+                for r in range(world)).div(world).backward()
+        else:
+            loss_of(model, t, xs[s], ys[s]).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -95,6 +112,8 @@ def main() -> None:
                     help="steps before which the OOM rank's budget is lowered")
     ap.add_argument("--tiny-budget", action="store_true",
                     help="the OOM rank cannot fit even one sample")
+    ap.add_argument("--caller-weights", action="store_true",
+                    help="a masked loss weighted by its count (no teacher)")
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -132,7 +151,8 @@ def main() -> None:
                 allocator.set_budget(low)
             try:
                 res = guard.step((xs[s, mine], ys[s, mine]),
-                                 lambda b: loss_of(ddp, teacher, *b), opt)
+                                 (lambda b: masked_loss_of(ddp, *b)) if a.caller_weights
+                                 else (lambda b: loss_of(ddp, teacher, *b)), opt)
             except GuardOOMError as exc:
                 record["gave_up"] = exc.tried
                 break
@@ -147,7 +167,8 @@ def main() -> None:
     record["collectives"] = guard._peers.collectives if guard._peers else 0
     record["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:
-        record["reference"] = reference(a.steps, a.batch * world, a.teacher, a.hidden)
+        record["reference"] = reference(a.steps, a.batch * world, a.teacher, a.hidden,
+                                        a.caller_weights, world)
     torch.save(record, os.path.join(a.out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

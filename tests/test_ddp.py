@@ -67,6 +67,19 @@ def test_micro_batched_ddp_matches_single_process(tmp_path, overlap):
     assert r0["collectives"] == r1["collectives"] == (2 if overlap else 3) * 5
 
 
+@pytest.mark.parametrize("micro", ["4", "16"], ids=["4-micro-batches", "one-micro-batch"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+def test_caller_weights_under_ddp(tmp_path, overlap, micro):
+    """A masked loss weighted by its count: each rank's weighted mean,
+    averaged over the ranks, in both modes; with DDP synchronising the last
+    backward (overlap) the gradients accumulated before it are divided by
+    the rank's total weight first, also when that backward is the only one."""
+    r0, r1 = torchrun(tmp_path, "--micro-batch", micro, "--caller-weights",
+                      *(["--overlap"] if overlap else []))
+    assert_trained_alike(r0, r1)
+    assert r0["micro"] == [int(micro)] * 5
+
+
 def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
     """Rank 1 runs out of memory in the first step's backward at the full
     size; both ranks redo it at half the size and keep that size."""

@@ -654,6 +654,34 @@ def test_accumulate_single_piece_with_total_weight_is_exact():
     assert_same_state(a, oa, b, ob, exact=True)
 
 
+def test_accumulate_close_weights_before_the_last_backward():
+    """Closing the weights before the last backward (what DDP's synchronising
+    backward needs) gives the gradients normalize() gives after it."""
+    a, oa, b, ob = twins("adamw")
+    for x, y in data(12, steps=3):
+        pieces = list(zip(x.split(5), y.split(5)))
+        weights = [3.0, 0.0, 2.0]
+        for m, o, close in ((a, oa, False), (b, ob, True)):
+            acc = memguard.accumulate(m, o)
+            for i, ((mx, my), w) in enumerate(zip(pieces, weights)):
+                if close and i == len(pieces) - 1:
+                    acc.close_weights(w)
+                    assert acc.total_weight == 5.0
+                acc.backward(F.mse_loss(m(mx), my), weight=w)
+            acc.normalize()
+            if close:
+                grads = [p.grad.clone() for p in b.parameters()]
+                for p, q in zip(a.parameters(), grads):
+                    torch.testing.assert_close(p.grad, q, rtol=RTOL, atol=1e-7)
+        oa.step(), ob.step()
+        oa.zero_grad(), ob.zero_grad()
+    assert_same_state(a, oa, b, ob)
+    m = mlp()
+    acc = memguard.accumulate(m, OPTIMIZERS["sgd_momentum"](m.parameters()))
+    with pytest.raises(ValueError, match="nothing to step"):
+        acc.close_weights(0)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), torch.tensor(-2.0)])
 def test_accumulate_rejects_bad_weights(bad):
     m = mlp()

@@ -100,6 +100,28 @@ class Accumulator:
         term = loss.detach().float() * w
         self._loss = term if self._loss is None else self._loss + term
 
+    def close_weights(self, last_weight: Any) -> None:
+        """Before the last micro-batch's backward, once every weight is known:
+        fix the total weight (the weights so far and ``last_weight``) and
+        divide the gradients accumulated so far by it, so that the last
+        backward completes the rank's weighted mean by itself. DDP's
+        synchronising backward (``ddp_overlap``) then averages means, as a
+        deferred all-reduce after :meth:`normalize` does.
+
+        Raises:
+            ValueError: the weights sum to 0.
+        """
+        if self.total_weight is not None:
+            return
+        total = self.weight + _weight(last_weight)
+        if not total > 0:
+            raise ValueError("nothing to step: no micro-batch with a positive weight was "
+                             "accumulated")
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, total)
+        self.total_weight = total
+
     def add_whole_batch(self, loss: float, micro_batches: int) -> None:
         """Record gradients of the whole batch's loss accumulated elsewhere
         (GradCache): :meth:`step` then neither divides nor rescales them."""

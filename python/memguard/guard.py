@@ -617,10 +617,6 @@ class Guard:
                 nonlocal agreed_once, used_anywhere
                 if deferred:
                     acc.normalize()     # each rank's weighted mean, then the average
-                elif acc.total_weight is None:
-                    raise ValueError("ddp_overlap=True cannot weight micro-batches by the "
-                                     "caller's weights (DDP averages before they are known "
-                                     "on every rank); leave ddp_overlap off")
                 used = peers.prepare(deferred)
                 agreed_once = True
                 res = peers.agree([0, micro] + [-u for u in used])
@@ -782,8 +778,6 @@ class Guard:
         items = list(_batch.split(batch, n, micro))
         for i, micro_batch in enumerate(acc.iterate(items)):
             loss, weight, aux = _unpack(loss_fn(micro_batch))
-            if before_last_backward is not None and i == len(items) - 1:
-                before_last_backward()
             if caller_weights is None:
                 caller_weights = weight is not None
                 if caller_weights:
@@ -793,6 +787,11 @@ class Guard:
                                  "for others")
             if weight is None:
                 weight = _batch.batch_size(micro_batch)
+            if before_last_backward is not None and i == len(items) - 1:
+                # DDP averages in this backward: the rank's weighted mean must
+                # be complete when it ends, its caller's weights all known now
+                acc.close_weights(weight)
+                before_last_backward()
             acc.backward(loss, weight)
             if aux is not None:
                 auxes.append(_batch.detach(aux))
