@@ -199,6 +199,69 @@ def test_bf16_mixed_precision_with_micro_batches(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class Masked(Guarded):
+    """A masked loss (the samples with a positive target) returned with its
+    count as the weight, and logged; lr 0 keeps the parameters fixed so the
+    expected logs are computable."""
+
+    def masked(self, batch):
+        x, y = batch
+        mask = (y[:, 0] > 0).float()
+        err = (self.net(x)[:, 0] - y[:, 0]).pow(2)
+        count = mask.sum()
+        return (err * mask).sum() / count.clamp(min=1), count
+
+    def training_step(self, batch, batch_idx):
+        loss, count = self.masked(batch)
+        self.log("masked_loss", loss)
+        return {"loss": loss, "weight": count}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_logs_are_weighted_like_the_loss(tmp_path):
+    """self.log values are averaged over the micro-batches with the weights
+    training_step returns (not the sample counts): the logged masked loss is
+    the whole batch's."""
+    model = Masked()
+    cb = MemGuardCallback(budget=None, micro_batch=4, allocator=False)
+    t = trainer(tmp_path, [cb], max_epochs=1)
+    t.fit(model, data())
+    logged = [float(r["masked_loss"]) for r in csv_rows(t) if r.get("masked_loss")]
+    with torch.no_grad():
+        expected = [float(model.masked(b)[0]) for b in data()]
+    assert len(logged) == len(expected) == N // BATCH
+    assert logged == pytest.approx(expected, rel=1e-5)
+    # and the micro-batches' counts differ, so sample weights would not do
+    counts = [[float(model.masked((x[i:i + 4], y[i:i + 4]))[1]) for i in range(0, BATCH, 4)]
+              for x, y in data()]
+    assert any(len(set(c)) > 1 for c in counts)
+
+
+def test_module_without_callback_uninstalls_its_own_guard(tmp_path):
+    """Without a MemGuardCallback the module makes its guard at the first
+    step; the run's end uninstalls it (sampler, gc hooks, allocator)."""
+    seen = {}
+
+    class Peek(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            seen["guard"] = pl_module.memguard
+            seen["allocator"] = memguard.allocator.installed()
+            seen["sampler"] = pl_module.memguard.sampler
+
+    was = memguard.allocator.installed()
+    model = Guarded()
+    trainer(tmp_path, [Peek()], max_epochs=1).fit(model, data())
+    g = seen["guard"]
+    assert g.steps == N // BATCH
+    assert not g._installed and g.sampler is None and not seen["sampler"].running
+    assert "_memguard_own" not in model.__dict__
+    assert memguard.allocator.installed() == was
+    if g.allocator_error is None and not was:
+        assert seen["allocator"]          # it was routed during the run
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="12 parsecs"):
         MemGuardCallback(budget="12 parsecs")

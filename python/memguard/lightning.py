@@ -199,6 +199,13 @@ class MemGuardModule:
         super().on_train_epoch_end()  # type: ignore[misc]
         _step_schedulers(self, "epoch")
 
+    def teardown(self, stage: str) -> None:
+        super().teardown(stage)  # type: ignore[misc]
+        # the guard made at the first step (no MemGuardCallback) ends with the run
+        guard = self.__dict__.pop("_memguard_own", None)
+        if guard is not None:
+            guard.uninstall()
+
     def memguard_post_step(self, aux: Any) -> None:
         """Called once per batch with the micro-batches' ``aux``, concatenated."""
 
@@ -288,21 +295,27 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
 
     def loss_fn(micro: Any) -> Any:
         current_weight[0] = float(_batch.batch_size(micro))
+        first = len(logs.calls)
         self.log = log
         try:
             out = user(self, micro, batch_idx, *args, **kwargs)
         finally:
             del self.log
             logs.call += 1
+        w = None
         if isinstance(out, dict):
             if "loss" not in out:
                 raise ValueError("training_step returned a dict without 'loss'")
             w = out.get("weight")
-            if w is not None:
-                current_weight[0] = float(w)
-            return Output(out["loss"], w, out.get("aux"))
-        if isinstance(out, Output) and out.weight is not None:
-            current_weight[0] = float(out.weight)
+            out = Output(out["loss"], w, out.get("aux"))
+        elif isinstance(out, Output):
+            w = out.weight
+        elif isinstance(out, tuple) and len(out) == 2:
+            w = out[1]
+        if w is not None:
+            # the step's own weight, known on return: its logs weigh as much
+            wf = float(w)
+            logs.calls[first:] = [(c, n, v, kw, wf) for c, n, v, kw, _ in logs.calls[first:]]
         return out
 
     restore = [getattr(self, name) for name in self.memguard_restore]
