@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from benchlib import Figures, Worker, fmt, median, ratio, serve, verdict
+from benchlib import Figures, Worker, fmt, median, pedantic_paired, ratio, serve, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -173,24 +173,15 @@ def test_step(benchmark, figures: Figures, quick: bool, glibc_workers, workload:
         benchmark.pedantic(lambda: steps.append(w.call("step")), rounds=rounds)
         peak = w.call("peak")["peak_rss_bytes"]
     else:
-        base = glibc_workers(workload, image, warmup) if config in PAIRED else None
-        k = iter(range(rounds))
-        state = {"k": 0}
-
-        def setup() -> None:
-            state["k"] = next(k)
-            if base is not None and state["k"] % 2 == 0:
-                paired.append(base.call("step"))
-
-        def teardown() -> None:
-            if base is not None and state["k"] % 2 == 1:
-                paired.append(base.call("step"))
-
         with Worker(__file__, [config, workload, str(image)], env=env) as w:
             for _ in range(warmup):
                 w.call("step")
-            benchmark.pedantic(lambda: steps.append(w.call("step")), setup=setup,
-                               teardown=teardown, rounds=rounds)
+            if config in PAIRED:
+                base = glibc_workers(workload, image, warmup)
+                steps, paired = pedantic_paired(benchmark, lambda: w.call("step"),
+                                                lambda: base.call("step"), rounds)
+            else:
+                benchmark.pedantic(lambda: steps.append(w.call("step")), rounds=rounds)
             peak = w.call("peak")["peak_rss_bytes"]
     fig = {"workload": workload, "config": config, "image": image, "rounds": rounds,
            "step_s": median(s["step_s"] for s in steps),

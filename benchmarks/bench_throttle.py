@@ -40,7 +40,7 @@ import time
 
 import pytest
 
-from benchlib import Figures, Worker, fmt, median, ratio, serve, verdict
+from benchlib import Figures, Worker, fmt, median, pedantic_paired, ratio, serve, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -284,21 +284,8 @@ def test_overhead(benchmark, figures: Figures, rounds: tuple, overhead_worker: W
     if loop == "plain":
         benchmark.pedantic(lambda: own.append(w.call("plain")["s"]), rounds=n)
     else:
-        # alternate the plain step before and after, so neither always runs first
-        i = iter(range(n))
-        state = {"k": 0}
-
-        def setup() -> None:
-            state["k"] = next(i)
-            if state["k"] % 2 == 0:
-                paired.append(w.call("plain")["s"])
-
-        def teardown() -> None:
-            if state["k"] % 2 == 1:
-                paired.append(w.call("plain")["s"])
-
-        benchmark.pedantic(lambda: own.append(w.call("guard")["s"]), setup=setup,
-                           teardown=teardown, rounds=n)
+        own, paired = pedantic_paired(benchmark, lambda: w.call("guard")["s"],
+                                      lambda: w.call("plain")["s"], n)
     fig = {"part": "overhead", "loop": loop, "step_s": median(own)}
     if paired:
         fig["paired_ratios"] = [g / p for g, p in zip(own, paired)]
@@ -373,21 +360,9 @@ def test_oom_step(benchmark, figures: Figures, rounds: tuple, oom_worker: Worker
         benchmark.pedantic(lambda: out.append(oom_worker.call(step)), rounds=rounds[3],
                            warmup_rounds=1)
     else:
-        i = iter(range(rounds[3]))
-        state = {"k": 0}
-
-        def setup() -> None:
-            state["k"] = next(i)
-            if state["k"] % 2 == 0:
-                paired.append(oom_worker.call("whole")["s"])
-
-        def teardown() -> None:
-            if state["k"] % 2 == 1:
-                paired.append(oom_worker.call("whole")["s"])
-
         oom_worker.call(step)           # one unpaired warm-up round
-        benchmark.pedantic(lambda: out.append(oom_worker.call(step)), setup=setup,
-                           teardown=teardown, rounds=rounds[3])
+        out, paired = pedantic_paired(benchmark, lambda: oom_worker.call(step),
+                                      lambda: oom_worker.call("whole")["s"], rounds[3])
     fig = {"part": "oom", "step": step, "step_s": median(o["s"] for o in out),
            "relief_s": median(o.get("relief_s") for o in out)}
     if paired:

@@ -50,6 +50,31 @@ def verdict(value: float | None, target: float, higher_is_better: bool = False) 
 
 
 # ------------------------------------------------------------------ workers
+def pedantic_paired(benchmark, run: Callable[[], Any], baseline: Callable[[], Any],
+                    rounds: int) -> tuple[list, list]:
+    """pytest-benchmark rounds of ``run``, each paired with a call of
+    ``baseline`` just before it (even rounds) or just after it (odd ones),
+    so that neither always runs first. Returns both lists of results, in
+    round order."""
+    own: list = []
+    base: list = []
+    k = iter(range(rounds))
+    state = {"k": 0}
+
+    def setup() -> None:
+        state["k"] = next(k)
+        if state["k"] % 2 == 0:
+            base.append(baseline())
+
+    def teardown() -> None:
+        if state["k"] % 2 == 1:
+            base.append(baseline())
+
+    benchmark.pedantic(lambda: own.append(run()), setup=setup, teardown=teardown,
+                       rounds=rounds)
+    return own, base
+
+
 class WorkerError(RuntimeError):
     """The worker process died or answered with an error."""
 
