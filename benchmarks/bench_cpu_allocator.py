@@ -33,7 +33,17 @@ import time
 
 import pytest
 
-from benchlib import Figures, Worker, fmt, median, pedantic_paired, ratio, serve, verdict
+from benchlib import (
+    Figures,
+    Worker,
+    fmt,
+    median,
+    paired_median,
+    pedantic_paired,
+    ratio,
+    serve,
+    verdict,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -187,8 +197,8 @@ def test_step(benchmark, figures: Figures, quick: bool, glibc_workers, workload:
            "step_s": median(s["step_s"] for s in steps),
            "faults_per_step": median(s["faults"] for s in steps), "peak_rss_bytes": peak}
     if paired:
-        fig["paired_ratios"] = [s["step_s"] / g["step_s"] for s, g in zip(steps, paired)]
-        fig["paired_step_ratio"] = median(fig["paired_ratios"])
+        fig["paired_ratios"], fig["paired_step_ratio"] = paired_median(
+            [s["step_s"] for s in steps], [g["step_s"] for g in paired])
     benchmark.extra_info.update({k: fig[k] for k in ("step_s", "faults_per_step",
                                                       "peak_rss_bytes")})
     figures.record(SECTION, benchmark.fullname, fig)

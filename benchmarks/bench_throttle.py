@@ -25,8 +25,9 @@
    (the whole batch in one piece, with no budget, warm). Each round is
    paired with a normal step run just before or just after it (alternating),
    and the figure is the median of the paired ratios. Target: at most 1.5x.
-   Also given against a normal step at half size: the failed attempt's
-   forward pass is lost work either way.
+   Also given against the same step done as 2 x 32 under the budget (a
+   guard at micro-batch 32, no failure): the failed attempt's forward pass
+   is lost work either way.
 
     pytest benchmarks/bench_throttle.py --benchmark-only
     python benchmarks/bench_throttle.py [pytest options]   (the same)
@@ -34,13 +35,22 @@
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
 import pytest
 
-from benchlib import Figures, Worker, fmt, median, pedantic_paired, ratio, serve, verdict
+from benchlib import (
+    Figures,
+    Worker,
+    fmt,
+    median,
+    paired_median,
+    pedantic_paired,
+    ratio,
+    serve,
+    verdict,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -288,8 +298,7 @@ def test_overhead(benchmark, figures: Figures, rounds: tuple, overhead_worker: W
                                       lambda: w.call("plain")["s"], n)
     fig = {"part": "overhead", "loop": loop, "step_s": median(own)}
     if paired:
-        fig["paired_ratios"] = [g / p for g, p in zip(own, paired)]
-        fig["ratio"] = statistics.median(fig["paired_ratios"])
+        fig["paired_ratios"], fig["ratio"] = paired_median(own, paired)
         benchmark.extra_info.update(ratio_to_plain=fig["ratio"])
     benchmark.extra_info.update(step_s=fig["step_s"])
     figures.record(SECTION, benchmark.fullname, fig)
@@ -303,36 +312,33 @@ def test_constrained(benchmark, figures: Figures, rounds: tuple, mode: str) -> N
     _section(figures)
     steps, n = rounds[1], rounds[2]
     runs: list[dict] = []
-    base: list[float] = []
-    pair = mode == "memguard"
-    state = {"k": -1}
 
-    def unconstrained() -> None:
+    def unconstrained() -> float:
         with _worker("constrained", "unconstrained", steps) as w:
             r = w.call("run")
-        base.append(r["samples"] / r["seconds"])
+        return r["samples"] / r["seconds"]
 
     def setup():
-        state["k"] += 1
-        if pair and state["k"] % 2 == 0:
-            unconstrained()
         return (_worker("constrained", mode, steps),), {}
 
     def teardown(w: Worker) -> None:
         w.close()
-        if pair and state["k"] % 2 == 1:
-            unconstrained()
 
     benchmark.group = f"throttle: constrained run of {steps} steps"
-    benchmark.pedantic(lambda w: runs.append(w.call("run")), setup=setup,
-                       teardown=teardown, rounds=n)
+    if mode == "memguard":
+        runs, base = pedantic_paired(benchmark, lambda w: w.call("run"), unconstrained, n,
+                                     setup=setup, teardown=teardown)
+    else:
+        base = []
+        benchmark.pedantic(lambda w: runs.append(w.call("run")), setup=setup,
+                           teardown=teardown, rounds=n)
     last = runs[-1]
     fig = dict(last, part="constrained",
                throughput=median(r["samples"] / r["seconds"] for r in runs
                                  if r["failed"] is None))
-    if pair and all(r["failed"] is None for r in runs):
-        fig["paired_ratios"] = [r["samples"] / r["seconds"] / b for r, b in zip(runs, base)]
-        fig["ratio"] = statistics.median(fig["paired_ratios"])
+    if base and all(r["failed"] is None for r in runs):
+        fig["paired_ratios"], fig["ratio"] = paired_median(
+            [r["samples"] / r["seconds"] for r in runs], base)
         benchmark.extra_info.update(throughput_ratio=fig["ratio"])
     benchmark.extra_info.update({k: last.get(k) for k in (
         "steps_done", "steps_lost", "restarts", "batch", "failed", "peak_bytes",
@@ -366,8 +372,7 @@ def test_oom_step(benchmark, figures: Figures, rounds: tuple, oom_worker: Worker
     fig = {"part": "oom", "step": step, "step_s": median(o["s"] for o in out),
            "relief_s": median(o.get("relief_s") for o in out)}
     if paired:
-        fig["paired_ratios"] = [o["s"] / w for o, w in zip(out, paired)]
-        fig["ratio"] = statistics.median(fig["paired_ratios"])
+        fig["paired_ratios"], fig["ratio"] = paired_median([o["s"] for o in out], paired)
         benchmark.extra_info.update(ratio_to_whole=fig["ratio"])
     benchmark.extra_info.update(step_s=fig["step_s"])
     figures.record(SECTION, benchmark.fullname, fig)

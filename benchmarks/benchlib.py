@@ -50,29 +50,39 @@ def verdict(value: float | None, target: float, higher_is_better: bool = False) 
 
 
 # ------------------------------------------------------------------ workers
-def pedantic_paired(benchmark, run: Callable[[], Any], baseline: Callable[[], Any],
-                    rounds: int) -> tuple[list, list]:
+def pedantic_paired(benchmark, run: Callable[..., Any], baseline: Callable[[], Any],
+                    rounds: int, setup: Callable[[], Any] | None = None,
+                    teardown: Callable[..., None] | None = None) -> tuple[list, list]:
     """pytest-benchmark rounds of ``run``, each paired with a call of
-    ``baseline`` just before it (even rounds) or just after it (odd ones),
-    so that neither always runs first. Returns both lists of results, in
-    round order."""
+    ``baseline`` just before it (even rounds, before ``setup``) or just after
+    it (odd ones, after ``teardown``), so that neither always runs first.
+    ``setup`` and ``teardown`` are pytest-benchmark's. Returns both lists of
+    results, in round order."""
     own: list = []
     base: list = []
-    k = iter(range(rounds))
-    state = {"k": 0}
+    k = {"round": -1}
 
-    def setup() -> None:
-        state["k"] = next(k)
-        if state["k"] % 2 == 0:
+    def paired_setup() -> Any:
+        k["round"] += 1
+        if k["round"] % 2 == 0:
+            base.append(baseline())
+        return setup() if setup is not None else None
+
+    def paired_teardown(*args: Any, **kwargs: Any) -> None:
+        if teardown is not None:
+            teardown(*args, **kwargs)
+        if k["round"] % 2 == 1:
             base.append(baseline())
 
-    def teardown() -> None:
-        if state["k"] % 2 == 1:
-            base.append(baseline())
-
-    benchmark.pedantic(lambda: own.append(run()), setup=setup, teardown=teardown,
-                       rounds=rounds)
+    benchmark.pedantic(lambda *a, **kw: own.append(run(*a, **kw)), setup=paired_setup,
+                       teardown=paired_teardown, rounds=rounds)
     return own, base
+
+
+def paired_median(own: list[float], base: list[float]) -> tuple[list[float], float | None]:
+    """The per-round ratios of ``own`` to ``base``, and their median."""
+    ratios = [a / b for a, b in zip(own, base)]
+    return ratios, median(ratios)
 
 
 class WorkerError(RuntimeError):

@@ -276,8 +276,8 @@ static int reserve(uint64_t bytes)
         }
         if (attempt == 2 || bytes > budget)
             return ENOMEM;
-        /* cur + bytes > budget here; cur itself may be above a lowered budget */
-        uint64_t need = cur > budget ? (cur - budget) + bytes : bytes - (budget - cur);
+        /* cur + bytes > budget here (cur itself may be above a lowered budget) */
+        uint64_t need = cur + bytes - budget;
         uint64_t cached = atomic_load(&A.cached);
         if (need > cached)
             return ENOMEM;
@@ -487,12 +487,12 @@ void mg_arena_free(void *p)
         pthread_mutex_lock(&k->lock);
         h->next = k->free;
         k->free = h;
-        atomic_fetch_add(&A.cached, bs);
+        uint64_t cached = atomic_fetch_add(&A.cached, bs) + bs;
         pthread_mutex_unlock(&k->lock);
         atomic_fetch_sub(&A.allocated, bs);
         atomic_fetch_sub(&A.requested, req);
         uint64_t limit = atomic_load_explicit(&A.cache_limit, memory_order_relaxed);
-        if (limit && atomic_load(&A.cached) > limit)
+        if (limit && cached > limit)
             release_cache(limit, 1); /* no lock held here; busy classes are skipped */
     }
     atomic_fetch_add_explicit(&A.n_free, 1, memory_order_relaxed);

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+_NOTHING = "nothing to step: no micro-batch with a positive weight was accumulated"
+
 
 def _weight(w: Any) -> float:
     w = float(w.detach().item() if isinstance(w, torch.Tensor) else w)
@@ -74,6 +76,11 @@ class Accumulator:
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    def _divide_grads(self, by: float) -> None:
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, by)
+
     def iterate(self, items: Iterable[Any]) -> Iterator[Any]:
         """Yield ``items``; all but the last inside the model's ``no_sync()``."""
         items = list(items)
@@ -115,11 +122,8 @@ class Accumulator:
             return
         total = self.weight + _weight(last_weight)
         if not total > 0:
-            raise ValueError("nothing to step: no micro-batch with a positive weight was "
-                             "accumulated")
-        grads = [p.grad for p in self._params() if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, total)
+            raise ValueError(_NOTHING)
+        self._divide_grads(total)
         self.total_weight = total
 
     def add_whole_batch(self, loss: float, micro_batches: int) -> None:
@@ -157,12 +161,9 @@ class Accumulator:
         if self._normalized:
             return
         if self.micro_batches == 0 or self.weight == 0:
-            raise ValueError("nothing to step: no micro-batch with a positive weight was "
-                             "accumulated")
+            raise ValueError(_NOTHING)
         if self.total_weight is None and self.weight != 1.0:
-            grads = [p.grad for p in self._params() if p.grad is not None]
-            if grads:
-                torch._foreach_div_(grads, self.weight)
+            self._divide_grads(self.weight)
         elif self.total_weight is not None and abs(self.weight - self.total_weight) > \
                 1e-6 * self.total_weight:
             raise ValueError(f"the micro-batches' weights sum to {self.weight:g}, not the "

@@ -45,7 +45,7 @@ except ImportError:  # the standalone package
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
 
 from memguard import _batch
-from memguard.guard import Guard, Output
+from memguard.guard import Guard, _unpack
 
 __all__ = ["MemGuardCallback", "MemGuardModule"]
 
@@ -285,16 +285,14 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
         ddp.require_backward_grad_sync = False
     logs = _LogCollector()
     real_log = self.log
-    current_weight = [1.0]     # the running micro-batch's weight, for its logs
 
     def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
         if a:
             raise TypeError("inside a MemGuardModule's training_step, pass self.log's options "
                             "by keyword")
-        logs.calls.append((logs.call, name, value, kw, current_weight[0]))
+        logs.calls.append((logs.call, name, value, kw, 1.0))   # weighed on return
 
     def loss_fn(micro: Any) -> Any:
-        current_weight[0] = float(_batch.batch_size(micro))
         first = len(logs.calls)
         self.log = log
         try:
@@ -302,20 +300,13 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
         finally:
             del self.log
             logs.call += 1
-        w = None
-        if isinstance(out, dict):
-            if "loss" not in out:
-                raise ValueError("training_step returned a dict without 'loss'")
-            w = out.get("weight")
-            out = Output(out["loss"], w, out.get("aux"))
-        elif isinstance(out, Output):
-            w = out.weight
-        elif isinstance(out, tuple) and len(out) == 2:
-            w = out[1]
-        if w is not None:
-            # the step's own weight, known on return: its logs weigh as much
-            wf = float(w)
-            logs.calls[first:] = [(c, n, v, kw, wf) for c, n, v, kw, _ in logs.calls[first:]]
+        if isinstance(out, dict) and "loss" not in out:
+            raise ValueError("training_step returned a dict without 'loss'")
+        # the micro-batch's logs weigh what its loss does: the weight the
+        # step returned, else its samples
+        w = _unpack(out)[1]
+        w = float(w) if w is not None else float(_batch.batch_size(micro))
+        logs.calls[first:] = [(c, n, v, kw, w) for c, n, v, kw, _ in logs.calls[first:]]
         return out
 
     restore = [getattr(self, name) for name in self.memguard_restore]

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import json
 import os
 import sys
@@ -98,25 +97,13 @@ _MARKER_HELP = (
     "this budget (the test fails if an allocation is refused), and/or fail it if the "
     "process's RSS grows by more than max_rss"
 )
-_LEVELS = ("OK", "ELEVATED", "HIGH", "CRITICAL")
 _MAXRSS_UNIT = 1 if sys.platform == "darwin" else 1024   # ru_maxrss: bytes there, KiB here
 
 
 def _size(n: int | None) -> str:
     """Bytes for people: ``"1.5 GiB"``, ``"200.0 MiB"``, ``"12 B"``; ``"-"`` for ``None``."""
-    if n is None:
-        return "-"
-    sign, n = ("-", -n) if n < 0 else ("", n)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.1f} {unit}"
-    return f"{sign}{n} B"
-
-
-def _level_name(level: int | None) -> str | None:
-    if level is None:
-        return None
-    return _LEVELS[level] if 0 <= level < len(_LEVELS) else str(level)
+    from memguard.doctor import size
+    return "-" if n is None else size(n)
 
 
 # -- the marker ---------------------------------------------------------------
@@ -263,7 +250,6 @@ class _Window:
     arena_at_start: bool
     ooms0: int | None
     level_max: int | None = None
-    t1: float | None = None            # set when closed
     figures: dict[str, Any] | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
     # the marker's budget: what to put back
@@ -297,19 +283,16 @@ class MemguardPlugin:
         self._rss = _Rss()
         self._lock = threading.Lock()          # guards the open window's level
         self._open: _Window | None = None
-        self._gc_s = 0.0
-        self._gc_n = 0
-        self._gc_t0: float | None = None
-        self._gc_installed = False
+        self._gc: Any = None                   # the session's GcHooks (with the sampler)
 
     # -- session -------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         if not self.enabled:
             return
         import memguard
+        from memguard.gc_hooks import GcHooks
 
-        gc.callbacks.append(self._gc_callback)
-        self._gc_installed = True
+        self._gc = GcHooks().install()
         self.sampler = memguard.Sampler(interval_ms=INTERVAL_MS)
         self.sampler.on_sample(self._on_sample)
         self.sampler.start()
@@ -328,20 +311,16 @@ class MemguardPlugin:
             self.sampler.remove_callback(self._on_sample)
             self.sampler.stop()
             self.sampler = None
-        if self._gc_installed:
-            try:
-                gc.callbacks.remove(self._gc_callback)
-            except ValueError:
-                pass
-            self._gc_installed = False
+        if self._gc is not None:
+            self._gc.uninstall()
+            self._gc = None
 
-    def _gc_callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_t0 = time.perf_counter()
-        elif self._gc_t0 is not None:
-            self._gc_s += time.perf_counter() - self._gc_t0
-            self._gc_n += 1
-            self._gc_t0 = None
+    def _gc_figures(self) -> tuple[float, int] | None:
+        """Seconds in collections and collections so far (None: not timed)."""
+        if self._gc is None:
+            return None
+        st = self._gc.stats
+        return st.gc_seconds, sum(st.collections)
 
     def _on_sample(self, s: Any) -> None:
         """On the sampler's callback thread: a sample taken inside the open
@@ -349,7 +328,7 @@ class MemguardPlugin:
         delivered late is not counted for the next test)."""
         with self._lock:
             w = self._open
-            if w is not None and s.t >= w.t0 and (w.t1 is None or s.t <= w.t1):
+            if w is not None and s.t >= w.t0:   # (a closed window is no longer open)
                 w.level_max = max(w.level_max or 0, int(s.level))
 
     # -- collection ----------------------------------------------------------
@@ -468,8 +447,9 @@ class MemguardPlugin:
         hwm_reset = self._rss.reset_peak()
         rss, _ = self._rss.read()
         minf, majf, maxrss = _rusage()
+        gc_s0, gc_n0 = self._gc_figures() or (0.0, 0)
         w = _Window(spec=spec, t0=time.time(), rss_start=rss, hwm_reset=hwm_reset,
-                    faults0=(minf, majf, maxrss), gc_s0=self._gc_s, gc_n0=self._gc_n,
+                    faults0=(minf, majf, maxrss), gc_s0=gc_s0, gc_n0=gc_n0,
                     arena_at_start=installed,
                     ooms0=int(memguard.stats()["num_ooms"]) if installed else None)
         if self.sampler is not None:
@@ -512,6 +492,7 @@ class MemguardPlugin:
         growth = None if peak is None or w.rss_start is None else peak - w.rss_start
         installed = memguard.installed()
         st = memguard.stats() if (installed or w.arena_at_start) else None
+        gcf = self._gc_figures()
         level = w.level_max
         if self.sampler is not None:
             n = min(4096, int((t1 - w.t0) * 1000 / INTERVAL_MS) + 4)
@@ -529,9 +510,9 @@ class MemguardPlugin:
             else int(st["num_ooms"]) - w.ooms0,
             "page_faults": (minf - w.faults0[0]) + (majf - w.faults0[1]),
             "major_page_faults": majf - w.faults0[1],
-            "gc_time_s": (self._gc_s - w.gc_s0) if self._gc_installed else None,
-            "gc_collections": (self._gc_n - w.gc_n0) if self._gc_installed else None,
-            "pressure_level_max": _level_name(level),
+            "gc_time_s": None if gcf is None else gcf[0] - w.gc_s0,
+            "gc_collections": None if gcf is None else gcf[1] - w.gc_n0,
+            "pressure_level_max": None if level is None else memguard.Level(level).name,
             "window_s": t1 - w.t0,
         }
 
@@ -539,7 +520,6 @@ class MemguardPlugin:
         """Take the window's final figures and judge the marker's limits."""
         t1 = time.time()
         with self._lock:
-            w.t1 = t1
             if self._open is w:
                 self._open = None
         figures = self._measure(w, t1)
