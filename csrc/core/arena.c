@@ -6,6 +6,11 @@
  * the slabs, one uint16_t per 64-byte granule, so requested bytes are exact.
  * Freed blocks stay cached in per-class free lists; cached large blocks can
  * be given back to the kernel (MADV_DONTNEED) and keep their address range.
+ * Under a budget, a large class with nothing cached splits a cached block of
+ * twice its size (four classes up) into two halves, and freed halves merge
+ * back with their buddy: a smaller batch after a larger one reuses the
+ * larger one's warm pages instead of releasing them and faulting in new
+ * ones, and the other way round.
  *
  * The budget bounds reserved bytes (allocated + cached blocks; a slab counts
  * the blocks carved from it, not its untouched tail) by an
@@ -13,8 +18,10 @@
  * releases the largest cached blocks, as many as make room, else fails
  * (releasing nothing when the whole cache would not make room): under a
  * tight budget, what stays cached is reused warm instead of being released
- * and faulted in again. Nothing here calls Python or blocks on anything but a
- * short, leaf-level mutex; other classes' locks are only ever try-locked. */
+ * and faulted in again. Nothing here calls Python or blocks on anything but
+ * short mutexes: a class's lock, the next class up's while a freed half
+ * merges (always waited for in ascending class order), and the leaf-level
+ * grow lock; the allocation path only try-locks other classes. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -45,7 +52,18 @@ typedef struct large_hdr {
     struct large_hdr *next;    /* free-list link while cached */
     uint32_t cls;
     uint32_t released;         /* pages past the first were given back */
+    /* Halves (see split_cached): depth counts the splits that made a block,
+     * bit d-1 of sides says which half it was at split d. A half keeps its
+     * header at its start, so its buddy's header is found from its address;
+     * tag = cls << 8 | TAG_FREE while listed | depth is what a freeing buddy
+     * reads, holding the class lock but not the block's. */
+    _Atomic uint32_t tag;
+    uint32_t sides;
 } large_hdr_t;
+
+#define TAG_FREE 0x80u
+#define TAG_DEPTH 0x7fu
+#define MAX_DEPTH 24u
 
 _Static_assert(sizeof(large_hdr_t) <= HDR, "large header must fit before the pointer");
 
@@ -375,6 +393,110 @@ static int small_alloc(size_t size, void **out)
     return 0;
 }
 
+static uint32_t tag_of(unsigned cls, uint32_t depth, int is_free)
+{
+    return (uint32_t)cls << 8 | (is_free ? TAG_FREE : 0) | depth;
+}
+
+static void list_large(cls_t *k, large_hdr_t *h)
+{
+    h->next = k->free;
+    k->free = h;
+    atomic_store_explicit(&h->tag, tag_of(h->cls, atomic_load_explicit(&h->tag,
+                          memory_order_relaxed) & TAG_DEPTH, 1), memory_order_relaxed);
+}
+
+/* Under a budget with no cached block of class c (held: k): take a resident
+ * cached block of class c + 4, twice the size, list its second half in
+ * class c and return the first, both with their headers at their start.
+ * The larger class is only try-locked (free and merge never hold two class
+ * locks). NULL when there is none. */
+static large_hdr_t *split_cached(cls_t *k, unsigned c, size_t csize)
+{
+    if (c + 4 >= N_CLASSES || class_size(c + 4) != 2 * csize)
+        return NULL;
+    cls_t *up = &A.large[c + 4];
+    if (pthread_mutex_trylock(&up->lock) != 0)
+        return NULL;
+    large_hdr_t *b = NULL;
+    for (large_hdr_t **pp = (large_hdr_t **)&up->free; *pp; pp = &(*pp)->next) {
+        uint32_t d = atomic_load_explicit(&(*pp)->tag, memory_order_relaxed) & TAG_DEPTH;
+        if (!(*pp)->released && d < MAX_DEPTH) {
+            b = *pp;
+            *pp = b->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&up->lock);
+    if (!b)
+        return NULL;
+    /* private now; its header may sit past the block's start (an alignment
+     * above 64 moved it), so read it before writing the halves' */
+    char *block = b->block;
+    uint32_t depth = (atomic_load_explicit(&b->tag, memory_order_relaxed) & TAG_DEPTH) + 1;
+    uint32_t side = 1u << (depth - 1), sides = b->sides & ~side;
+    large_hdr_t *lo = (large_hdr_t *)block, *hi = (large_hdr_t *)(block + csize);
+    *hi = (large_hdr_t){.magic = LARGE_MAGIC, .block = block + csize, .block_size = csize,
+                        .cls = c, .sides = sides | side};
+    atomic_init(&hi->tag, tag_of(c, depth, 0));
+    list_large(k, hi);
+    *lo = (large_hdr_t){.block = block, .block_size = csize, .cls = c, .sides = sides};
+    atomic_init(&lo->tag, tag_of(c, depth, 0));
+    atomic_fetch_sub(&A.cached, csize); /* the other half stays cached */
+    return lo;
+}
+
+/* h, a resident block of bs bytes just freed: list it, first merging it
+ * with its buddy half while that is listed and resident, and the merged
+ * block with its own, and so on. Returns the bytes cached after. A merge
+ * takes the larger class's lock before it lets go of the smaller's (class
+ * locks are only ever waited for in ascending order): a fork never sees a
+ * block that is counted as cached but in no list. */
+static uint64_t free_large(large_hdr_t *h, size_t bs)
+{
+    cls_t *k = &A.large[h->cls];
+    pthread_mutex_lock(&k->lock);
+    uint64_t cached = atomic_fetch_add(&A.cached, bs) + bs;
+    for (;;) {
+        uint32_t depth = atomic_load_explicit(&h->tag, memory_order_relaxed) & TAG_DEPTH;
+        large_hdr_t *b = NULL;
+        if (depth && h->block == (char *)h) {
+            size_t hs = h->block_size;
+            char *at = (h->sides >> (depth - 1)) & 1 ? h->block - hs : h->block + hs;
+            large_hdr_t *cand = (large_hdr_t *)at;
+            /* a listed half of this class and depth is the buddy: that tag
+             * is only written under this lock */
+            if (atomic_load_explicit(&cand->tag, memory_order_relaxed) ==
+                    tag_of(h->cls, depth, 1) && !cand->released) {
+                for (large_hdr_t **pp = (large_hdr_t **)&k->free; *pp; pp = &(*pp)->next) {
+                    if (*pp == cand) {
+                        *pp = cand->next;
+                        b = cand;
+                        break;
+                    }
+                }
+            }
+        }
+        if (!b) {
+            list_large(k, h);
+            pthread_mutex_unlock(&k->lock);
+            return cached;
+        }
+        if (b < h)
+            h = b;
+        h->magic = LARGE_MAGIC;
+        h->block_size *= 2;
+        h->cls += 4;
+        h->released = 0;
+        h->sides &= ~(1u << (depth - 1));
+        atomic_store_explicit(&h->tag, tag_of(h->cls, depth - 1, 0), memory_order_relaxed);
+        cls_t *up = &A.large[h->cls];
+        pthread_mutex_lock(&up->lock);
+        pthread_mutex_unlock(&k->lock);
+        k = up;
+    }
+}
+
 static int large_alloc(size_t size, size_t align, void **out)
 {
     size_t off = align > HDR ? align : HDR;
@@ -387,12 +509,14 @@ static int large_alloc(size_t size, size_t align, void **out)
     large_hdr_t *h = NULL;
     int hit = 0;
     pthread_mutex_lock(&k->lock);
-    /* a cached block whose pointer offset fits this alignment: a resident
+    /* a cached block whose pointer offset fits this alignment (halves only
+     * at the default one: their header stays at their start): a resident
      * one, else one given back to the kernel (reused, it faults in again) */
     large_hdr_t **rel = NULL;
     for (large_hdr_t **pp = (large_hdr_t **)&k->free; *pp; pp = &(*pp)->next) {
         large_hdr_t *b = *pp;
-        if (((uintptr_t)(b->block + off) & (align - 1)) != 0)
+        if (((uintptr_t)(b->block + off) & (align - 1)) != 0 ||
+            (off != HDR && (atomic_load_explicit(&b->tag, memory_order_relaxed) & TAG_DEPTH)))
             continue;
         if (!b->released) {
             *pp = b->next;
@@ -403,6 +527,13 @@ static int large_alloc(size_t size, size_t align, void **out)
         }
         if (!rel)
             rel = pp;
+    }
+    if (!h && off == HDR) {
+        /* short of room under the budget: half of a larger cached block */
+        uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
+        if (budget && atomic_load(&A.reserved) + csize > budget &&
+            (h = split_cached(k, c, csize)) != NULL)
+            hit = 1;
     }
     if (!h) {
         /* new memory, releasing cache for it if need be */
@@ -416,7 +547,7 @@ static int large_alloc(size_t size, size_t align, void **out)
             hit = 1;
         }
     }
-    if (!hit) {
+    if (!h) {
         char *block = carve_large(csize, align);
         if (!block) { /* the large range is used up */
             unreserve(csize);
@@ -427,12 +558,16 @@ static int large_alloc(size_t size, size_t align, void **out)
         h->block = block;
         h->block_size = csize;
         h->cls = c;
+        h->sides = 0;
+        atomic_init(&h->tag, tag_of(c, 0, 0));
     } else if (h != (large_hdr_t *)(h->block + off - HDR)) {
-        /* same block, another alignment: move the header */
+        /* same block, another alignment (never a half): move the header */
         large_hdr_t copy = *h;
         h = (large_hdr_t *)(copy.block + off - HDR);
-        *h = copy;
+        memcpy(h, &copy, sizeof(copy));
     }
+    atomic_store_explicit(&h->tag, tag_of(c, atomic_load_explicit(&h->tag,
+                          memory_order_relaxed) & TAG_DEPTH, 0), memory_order_relaxed);
     h->magic = LARGE_MAGIC;
     h->released = 0;
     h->next = NULL;
@@ -482,13 +617,8 @@ void mg_arena_free(void *p)
         atomic_fetch_sub(&A.requested, req);
     } else {
         large_hdr_t *h = (large_hdr_t *)(q - HDR);
-        cls_t *k = &A.large[h->cls];
         size_t bs = h->block_size, req = h->requested;
-        pthread_mutex_lock(&k->lock);
-        h->next = k->free;
-        k->free = h;
-        uint64_t cached = atomic_fetch_add(&A.cached, bs) + bs;
-        pthread_mutex_unlock(&k->lock);
+        uint64_t cached = free_large(h, bs);
         atomic_fetch_sub(&A.allocated, bs);
         atomic_fetch_sub(&A.requested, req);
         uint64_t limit = atomic_load_explicit(&A.cache_limit, memory_order_relaxed);

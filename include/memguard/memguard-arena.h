@@ -7,7 +7,9 @@
  * doubling) and freed blocks stay cached for reuse; cached large blocks are
  * given back to the kernel (MADV_DONTNEED) on request or before an
  * allocation would pass the budget (the largest first, as many as make room;
- * none when the whole cache would not). The budget bounds reserved memory:
+ * none when the whole cache would not); under a budget, a large class with
+ * nothing cached splits a cached block of twice its size, and freed halves
+ * merge back with their buddy. The budget bounds reserved memory:
  * allocated blocks plus cached ones plus the slabs small blocks live in.
  */
 #ifndef MEMGUARD_ARENA_H

@@ -2,8 +2,9 @@
  * size classes (usable size, alignment, no write past a block), ownership,
  * reuse of cached blocks in a training-loop pattern, byte-exact accounting
  * and peaks, the budget (ENOMEM, cache released first, never passed, also
- * under four racing threads), trim (counters and RSS), requests too large to
- * ever fit, and fork while other threads allocate.
+ * under four racing threads), halves split from cached blocks under it and
+ * merged back, trim (counters and RSS), requests too large to ever fit, and
+ * fork while other threads allocate.
  *
  * The arena is one per process, so the tests run in order and each leaves
  * nothing allocated and no budget behind. Under valgrind (seen in
@@ -597,6 +598,103 @@ static void test_trim(void)
     check_idle();
 }
 
+/* Under a budget, a large class with nothing cached takes half of a cached
+ * block of twice its size (no release, no new pages); halves merge back
+ * with their buddy when both are free, also two levels down; a released
+ * half does not merge; with no budget, classes keep to their own blocks. */
+static void test_split_merge(void)
+{
+    mg_arena_trim(0, NULL);
+    const size_t big = 8 * MiB - HDR, half = 4 * MiB - HDR, quarter = 2 * MiB - HDR;
+    CHECK_EQ(block_bytes(big, 64), 8 * MiB);
+    CHECK_EQ(block_bytes(half, 64), 4 * MiB);
+    CHECK_EQ(block_bytes(quarter, 64), 2 * MiB);
+
+    /* no budget: a half is a block of its own */
+    void *b = NULL, *h1 = NULL, *h2 = NULL, *q1 = NULL, *q2 = NULL, *x = NULL;
+    CHECK_EQ(mg_arena_alloc(big, 64, &b), 0);
+    mg_arena_free(b);
+    CHECK_EQ(mg_arena_alloc(half, 64, &h1), 0);
+    CHECK(h1 != b);
+    CHECK_EQ(st().cached_bytes, 8 * MiB);
+    mg_arena_free(h1);
+    mg_arena_trim(0, NULL);
+    /* (the trim released both; b's block is the one reused below) */
+    CHECK_EQ(mg_arena_alloc(big, 64, &b), 0);
+    mg_arena_free(b);
+    mg_arena_stats_t s0 = st();
+    CHECK_EQ(s0.cached_bytes, 8 * MiB);
+    mg_arena_set_budget(s0.reserved_current); /* nothing new fits */
+
+    CHECK_EQ(mg_arena_alloc(half, 64, &h1), 0);
+    CHECK_EQ(mg_arena_alloc(half, 64, &h2), 0);
+    CHECK(h1 == b);
+    CHECK((char *)h2 == (char *)b + 4 * MiB);
+    mg_arena_stats_t s1 = st();
+    CHECK_EQ(s1.num_cache_hits - s0.num_cache_hits, 2);
+    CHECK_EQ(s1.num_trims, s0.num_trims);
+    CHECK_EQ(s1.reserved_current, s0.reserved_current);
+    CHECK_EQ(s1.allocated_current - s0.allocated_current, 8 * MiB);
+    CHECK_EQ(s1.requested_current - s0.requested_current, 2 * half);
+    CHECK_EQ(s1.cached_bytes, 0);
+    CHECK_EQ(mg_arena_usable_size(h1), half);
+    fill(h1, half, 11);
+    fill(h2, half, 12);
+    CHECK(intact(h1, half, 11));
+    CHECK(intact(h2, half, 12));
+
+    /* one half free: no merge, and the whole size does not fit */
+    mg_arena_free(h1);
+    CHECK_EQ(st().cached_bytes, 4 * MiB);
+    CHECK_EQ(mg_arena_alloc(big, 64, &x), ENOMEM);
+    CHECK(intact(h2, half, 12));
+    CHECK_EQ(st().num_trims, s0.num_trims);
+
+    /* a quarter splits the cached half; freed in any order, all merges */
+    CHECK_EQ(mg_arena_alloc(quarter, 64, &q1), 0);
+    CHECK_EQ(mg_arena_alloc(quarter, 64, &q2), 0);
+    CHECK(q1 == b);
+    CHECK((char *)q2 == (char *)b + 2 * MiB);
+    fill(q1, quarter, 13);
+    fill(q2, quarter, 14);
+    CHECK(intact(h2, half, 12));
+    CHECK_EQ(st().reserved_current, s0.reserved_current);
+    mg_arena_free(q2);
+    mg_arena_free(h2);
+    CHECK_EQ(st().cached_bytes, 6 * MiB);
+    CHECK(intact(q1, quarter, 13));
+    mg_arena_free(q1);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(s2.cached_bytes, 8 * MiB);
+    CHECK_EQ(s2.allocated_current, s0.allocated_current);
+    CHECK_EQ(s2.requested_current, s0.requested_current);
+    CHECK_EQ(mg_arena_alloc(big, 64, &x), 0);
+    CHECK(x == b);
+    CHECK_EQ(st().num_cache_hits - s2.num_cache_hits, 1);
+    CHECK_EQ(st().num_trims, s0.num_trims);
+    CHECK_EQ(mg_arena_usable_size(x), big);
+    mg_arena_free(x);
+
+    /* a half given back to the kernel does not merge */
+    CHECK_EQ(mg_arena_alloc(half, 64, &h1), 0);
+    CHECK_EQ(mg_arena_alloc(half, 64, &h2), 0);
+    mg_arena_free(h2);
+    mg_arena_trim(0, NULL);
+    mg_arena_free(h1);
+    mg_arena_stats_t s3 = st();
+    CHECK_EQ(s3.cached_bytes, 4 * MiB);
+    CHECK_EQ(s3.reserved_current, s0.reserved_current - 4 * MiB);
+    /* the whole size now takes the room of both: h1 released, a new block */
+    CHECK_EQ(mg_arena_alloc(big, 64, &x), 0);
+    CHECK(x != b);
+    CHECK_EQ(st().cached_bytes, 0);
+    CHECK_EQ(st().reserved_current, s0.reserved_current);
+    mg_arena_free(x);
+    mg_arena_set_budget(0);
+    mg_arena_trim(0, NULL);
+    check_idle();
+}
+
 static void test_budget(void)
 {
     mg_arena_trim(0, NULL);
@@ -1038,6 +1136,7 @@ int main(void)
     RUN(test_caching);
     RUN(test_trim);
     RUN(test_budget);
+    RUN(test_split_merge);
     RUN(test_huge_requests);
     RUN(test_budget_race);
     RUN(test_fork);
