@@ -65,7 +65,7 @@ MODES = ["unconstrained", "plain", "accelerate", "memguard"]
 
 #: rounds of each part: (overhead steps, constrained steps, constrained runs,
 #: OOM rounds); the full run and --bench-quick.
-FULL = (20, 16, 3, 7)
+FULL = (40, 16, 3, 7)
 QUICK = (2, 4, 1, 1)
 
 

@@ -115,6 +115,9 @@ def main() -> None:
                     help="the OOM rank cannot fit even one sample")
     ap.add_argument("--caller-weights", action="store_true",
                     help="a masked loss weighted by its count (no teacher)")
+    ap.add_argument("--weightless-rank", type=int, default=-1,
+                    help="with --caller-weights: this rank's weights are 0 at --weightless-at")
+    ap.add_argument("--weightless-at", type=int, default=-1)
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -150,13 +153,22 @@ def main() -> None:
                     low = 4096 if a.tiny_budget else \
                         memguard.stats()["reserved_bytes.current"] + extra + SMALL
                 allocator.set_budget(low)
+            weightless = rank == a.weightless_rank and s == a.weightless_at
+
+            def loss_fn(b, weightless=weightless):
+                if not a.caller_weights:
+                    return loss_of(ddp, teacher, *b)
+                loss, count = masked_loss_of(ddp, *b)
+                return (loss, count * 0) if weightless else (loss, count)
+
             try:
-                res = guard.step((xs[s, mine], ys[s, mine]),
-                                 (lambda b: masked_loss_of(ddp, *b)) if a.caller_weights
-                                 else (lambda b: loss_of(ddp, teacher, *b)), opt)
+                res = guard.step((xs[s, mine], ys[s, mine]), loss_fn, opt)
             except GuardOOMError as exc:
                 record["gave_up"] = exc.tried
                 break
+            except ValueError as exc:     # a step no rank could do: every rank says so
+                record.setdefault("errors", []).append((s, str(exc)))
+                continue
             record["micro"].append(res.micro_batch)
             record["retries"].append(res.retries)
             record["tried"].append(res.tried)

@@ -80,6 +80,24 @@ def test_caller_weights_under_ddp(tmp_path, overlap, micro):
     assert r0["micro"] == [int(micro)] * 5
 
 
+@pytest.mark.parametrize("micro", ["4", "16"], ids=["4-micro-batches", "one-micro-batch"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+def test_weights_summing_to_zero_on_one_rank_stop_the_step_on_both(tmp_path, overlap, micro):
+    """Rank 1's caller weights sum to 0 at step 2: it has no weighted mean,
+    so the step cannot be done; both ranks raise ValueError (rank 0 naming
+    the other rank) instead of one waiting for the other, and the next
+    steps train alike on both."""
+    r0, r1 = torchrun(tmp_path, "--micro-batch", micro, "--caller-weights",
+                      "--weightless-rank", "1", "--weightless-at", "2",
+                      *(["--overlap"] if overlap else []))
+    assert [s for s, _ in r0["errors"]] == [s for s, _ in r1["errors"]] == [2]
+    assert "another rank" in r0["errors"][0][1]
+    assert "positive weight" in r1["errors"][0][1]
+    assert len(r0["micro"]) == len(r1["micro"]) == 4
+    for k, v in r0["state"].items():
+        assert torch.equal(v, r1["state"][k]), k
+
+
 def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
     """Rank 1 runs out of memory in the first step's backward at the full
     size; both ranks redo it at half the size and keep that size."""

@@ -42,6 +42,12 @@ from memguard.gradcache import gradcache_backward
 from memguard.telemetry import Level, PressureEvent, Sampler, open_exporter
 from memguard.telemetry import sample as telemetry_sample
 
+#: the agreement's flag of a rank whose micro-batch weights sum to 0 (below
+#: an out-of-memory error's -1: the minimum over the ranks keeps it)
+_WEIGHTLESS = -2
+_PEER_WEIGHTLESS = ("another rank's micro-batch weights sum to 0: it has no weighted mean "
+                    "to average with this one's")
+
 
 class GuardOOMError(RuntimeError):
     """A step ran out of memory at every micro-batch size the guard may use."""
@@ -613,13 +619,22 @@ class Guard:
         while True:
             agreed_once = False
 
-            def agree_ok(micro: int = micro) -> None:
+            def agree_ok(weightless: ValueError | None = None, micro: int = micro) -> None:
+                """The ranks agree before gradients leave this one; a rank
+                whose weights sum to 0 (``weightless``, its error) makes
+                every rank raise, instead of leaving the others waiting."""
                 nonlocal agreed_once, used_anywhere
                 if deferred:
-                    acc.normalize()     # each rank's weighted mean, then the average
+                    try:
+                        acc.normalize()     # each rank's weighted mean, then the average
+                    except ValueError as exc:
+                        weightless = exc
                 used = peers.prepare(deferred)
                 agreed_once = True
-                res = peers.agree([0, micro] + [-u for u in used])
+                res = peers.agree([_WEIGHTLESS if weightless else 0, micro] + [-u for u in used])
+                if res[0] == _WEIGHTLESS:
+                    peers.reset()
+                    raise weightless or ValueError(_PEER_WEIGHTLESS)
                 if res[0] < 0:
                     raise PeerOOM(res[1], micro)
                 used_anywhere = [v < 0 for v in res[2:]]
@@ -661,6 +676,11 @@ class Guard:
                 nxt = self._planner.oom(micro) or 0
                 if peers is not None:
                     res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
+                    if res[0] == _WEIGHTLESS:     # another rank's step cannot be done
+                        acc.reset()
+                        snapshot.restore()
+                        peers.reset()
+                        raise ValueError(_PEER_WEIGHTLESS) from exc
                     if res[1] and res[1] != nxt:
                         self._planner.agree(res[1])
                     nxt = res[1]
@@ -766,10 +786,11 @@ class Guard:
 
     def _attempt(self, batch: Any, n: int, micro: int, loss_fn: Callable[[Any], Any],
                  acc: Accumulator,
-                 before_last_backward: Callable[[], None] | None = None) -> list:
+                 before_last_backward: Callable[..., None] | None = None) -> list:
         """Forward and backward of every micro-batch; their aux, detached.
         ``before_last_backward`` runs between the last forward and its
-        backward (the ranks' agreement before DDP synchronises)."""
+        backward (the ranks' agreement before DDP synchronises), given the
+        error when this rank's weights sum to 0."""
         auxes: list = []
         # Sample weights are known up front: scale each loss by its share at
         # once, so one micro-batch of the whole batch is the plain step.
@@ -790,7 +811,11 @@ class Guard:
             if before_last_backward is not None and i == len(items) - 1:
                 # DDP averages in this backward: the rank's weighted mean must
                 # be complete when it ends, its caller's weights all known now
-                acc.close_weights(weight)
+                try:
+                    acc.close_weights(weight)
+                except ValueError as exc:
+                    before_last_backward(exc)   # raises on every rank
+                    raise
                 before_last_backward()
             acc.backward(loss, weight)
             if aux is not None:
