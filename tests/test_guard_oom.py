@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import types
 
 import pytest
@@ -666,3 +667,30 @@ def test_the_failed_attempts_pressure_is_not_counted_again():
     guard._on_sample(types.SimpleNamespace(level=Level.OK, raw_level=Level.OK))
     second = guard.step(xs[1], m.loss_fn, m.opt)
     assert second.micro_batch == BATCH // 2, guard.plan()
+
+
+@pytest.mark.parametrize("taken", ["during the failed attempt", "during the retry"])
+def test_a_late_sample_of_the_failed_attempt_is_not_counted(taken):
+    """The sampler's callback thread can be behind: a HIGH sample taken
+    while the failed attempt filled memory may reach the guard only after
+    the retry. Its time says it belongs to the attempt the OOM answered, so
+    the next boundary does not halve the size again; a HIGH sample taken
+    during the retry does."""
+    m = Moco()
+    xs = _xs(2)
+    guard = Guard(budget=None, allocator=False)
+    failed = []
+
+    def loss_fn(micro):
+        if not failed:
+            failed.append(time.time())
+            raise RuntimeError(CPU_OOM)
+        return m.loss_fn(micro)
+
+    first = guard.step(xs[0], loss_fn, m.opt)
+    assert first.retries == 1 and first.micro_batch == BATCH // 2
+    t = failed[0] if taken == "during the failed attempt" else time.time()
+    guard._on_sample(types.SimpleNamespace(t=t, level=Level.OK, raw_level=Level.HIGH))
+    second = guard.step(xs[1], m.loss_fn, m.opt)
+    expect = BATCH // 2 if taken == "during the failed attempt" else BATCH // 4
+    assert second.micro_batch == expect, guard.plan()

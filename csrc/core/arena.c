@@ -482,8 +482,10 @@ static uint64_t free_large(large_hdr_t *h, size_t bs)
             pthread_mutex_unlock(&k->lock);
             return cached;
         }
-        if (b < h)
-            h = b;
+        large_hdr_t *upper = b < h ? h : b;
+        atomic_store_explicit(&upper->tag, 0, memory_order_relaxed); /* a header no more */
+        upper->magic = 0;
+        h = b < h ? b : h;
         h->magic = LARGE_MAGIC;
         h->block_size *= 2;
         h->cls += 4;

@@ -369,6 +369,7 @@ class Guard:
         self._peak = _PeakMeter()
         self._level_lock = threading.Lock()   # guards _max_raw and _level
         self._max_raw = Level.OK              # highest raw level since the last step boundary
+        self._window_t = 0.0   # samples taken before (epoch s) were of a failed attempt
         self._level = Level.OK                # level of the newest sample
         self._installed = False
         self._allocator_installed_here = False
@@ -484,8 +485,12 @@ class Guard:
             self.gc.relieve("high")
 
     def _on_sample(self, s: Any) -> None:
+        # the callback thread may hand a sample over late: one taken before
+        # an out-of-memory retry began was of the attempt the OOM answered
+        t = getattr(s, "t", None)
         with self._level_lock:
-            self._max_raw = max(self._max_raw, s.raw_level)
+            if t is None or t >= self._window_t:
+                self._max_raw = max(self._max_raw, s.raw_level)
             self._level = s.level
 
     def _start_governor(self) -> None:
@@ -702,6 +707,7 @@ class Guard:
             self._peak.start(batch)   # the peak the planner learns is the retry's
             with self._level_lock:    # and the pressure the next boundary acts on:
                 self._max_raw = Level.OK   # the OOM already shrank for the failed one
+                self._window_t = time.time()
             self.ooms_recovered += 1
             self.micro_batch_changes += 1
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
