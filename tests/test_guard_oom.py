@@ -642,12 +642,10 @@ def test_a_recovered_step_reports_the_retry_peak_not_the_failed_attempt():
     assert res.peak_bytes < ref_peak + (32 << 20)
 
 
-def test_the_failed_attempts_pressure_is_not_counted_again():
-    """The pressure a failed attempt caused (HIGH while it filled memory)
-    was answered by the OOM's shrink; the next boundary acts on the retry's
-    samples only, so the size is not halved a second time."""
-    import types
-
+def _recover_once(on_failure) -> tuple[Guard, Moco, torch.Tensor]:
+    """A guard whose first step fails once at the whole batch (after
+    ``on_failure(guard)``) and is redone at half; the guard, its model and
+    the second step's batch."""
     m = Moco()
     xs = _xs(2)
     guard = Guard(budget=None, allocator=False)
@@ -656,16 +654,25 @@ def test_the_failed_attempts_pressure_is_not_counted_again():
     def loss_fn(micro):
         if not failed:
             failed.append(True)
-            guard._on_sample(types.SimpleNamespace(level=Level.HIGH, raw_level=Level.HIGH))
+            on_failure(guard)
             raise RuntimeError(CPU_OOM)
         return m.loss_fn(micro)
 
     first = guard.step(xs[0], loss_fn, m.opt)
     assert first.retries == 1 and first.micro_batch == BATCH // 2
+    return guard, m, xs[1]
+
+
+def test_the_failed_attempts_pressure_is_not_counted_again():
+    """The pressure a failed attempt caused (HIGH while it filled memory)
+    was answered by the OOM's shrink; the next boundary acts on the retry's
+    samples only, so the size is not halved a second time."""
+    guard, m, x = _recover_once(lambda g: g._on_sample(
+        types.SimpleNamespace(level=Level.HIGH, raw_level=Level.HIGH)))
     # the sampler's hysteresis level is back to OK by now; no sample of the
     # retry reached HIGH
     guard._on_sample(types.SimpleNamespace(level=Level.OK, raw_level=Level.OK))
-    second = guard.step(xs[1], m.loss_fn, m.opt)
+    second = guard.step(x, m.loss_fn, m.opt)
     assert second.micro_batch == BATCH // 2, guard.plan()
 
 
@@ -676,21 +683,10 @@ def test_a_late_sample_of_the_failed_attempt_is_not_counted(taken):
     the retry. Its time says it belongs to the attempt the OOM answered, so
     the next boundary does not halve the size again; a HIGH sample taken
     during the retry does."""
-    m = Moco()
-    xs = _xs(2)
-    guard = Guard(budget=None, allocator=False)
-    failed = []
-
-    def loss_fn(micro):
-        if not failed:
-            failed.append(time.time())
-            raise RuntimeError(CPU_OOM)
-        return m.loss_fn(micro)
-
-    first = guard.step(xs[0], loss_fn, m.opt)
-    assert first.retries == 1 and first.micro_batch == BATCH // 2
-    t = failed[0] if taken == "during the failed attempt" else time.time()
+    at = []
+    guard, m, x = _recover_once(lambda g: at.append(time.time()))
+    t = at[0] if taken == "during the failed attempt" else time.time()
     guard._on_sample(types.SimpleNamespace(t=t, level=Level.OK, raw_level=Level.HIGH))
-    second = guard.step(xs[1], m.loss_fn, m.opt)
+    second = guard.step(x, m.loss_fn, m.opt)
     expect = BATCH // 2 if taken == "during the failed attempt" else BATCH // 4
     assert second.micro_batch == expect, guard.plan()
