@@ -406,11 +406,27 @@ static void list_large(cls_t *k, large_hdr_t *h)
                           memory_order_relaxed) & TAG_DEPTH, 1), memory_order_relaxed);
 }
 
+/* Writes the header of a half at its start field by field: the tag, which
+ * a thread freeing the buddy of the block it lies in may read at any time,
+ * only atomically. */
+static void set_half(large_hdr_t *h, size_t size, unsigned cls, uint32_t sides, uint32_t tag)
+{
+    h->magic = LARGE_MAGIC;
+    h->block = (char *)h;
+    h->block_size = size;
+    h->requested = 0;
+    h->next = NULL;
+    h->cls = cls;
+    h->released = 0;
+    h->sides = sides;
+    atomic_store_explicit(&h->tag, tag, memory_order_relaxed);
+}
+
 /* Under a budget with no cached block of class c (held: k): take a resident
  * cached block of class c + 4, twice the size, list its second half in
  * class c and return the first, both with their headers at their start.
- * The larger class is only try-locked (free and merge never hold two class
- * locks). NULL when there is none. */
+ * The larger class is only try-locked, as the allocation path does with
+ * every class but its own. NULL when there is none. */
 static large_hdr_t *split_cached(cls_t *k, unsigned c, size_t csize)
 {
     if (c + 4 >= N_CLASSES || class_size(c + 4) != 2 * csize)
@@ -419,11 +435,15 @@ static large_hdr_t *split_cached(cls_t *k, unsigned c, size_t csize)
     if (pthread_mutex_trylock(&up->lock) != 0)
         return NULL;
     large_hdr_t *b = NULL;
+    uint32_t d = 0;
     for (large_hdr_t **pp = (large_hdr_t **)&up->free; *pp; pp = &(*pp)->next) {
-        uint32_t d = atomic_load_explicit(&(*pp)->tag, memory_order_relaxed) & TAG_DEPTH;
+        d = atomic_load_explicit(&(*pp)->tag, memory_order_relaxed) & TAG_DEPTH;
         if (!(*pp)->released && d < MAX_DEPTH) {
             b = *pp;
             *pp = b->next;
+            /* unlisted: its buddy, freed under up's lock, must not read
+             * the header this thread is about to rewrite */
+            atomic_store_explicit(&b->tag, tag_of(c + 4, d, 0), memory_order_relaxed);
             break;
         }
     }
@@ -433,15 +453,11 @@ static large_hdr_t *split_cached(cls_t *k, unsigned c, size_t csize)
     /* private now; its header may sit past the block's start (an alignment
      * above 64 moved it), so read it before writing the halves' */
     char *block = b->block;
-    uint32_t depth = (atomic_load_explicit(&b->tag, memory_order_relaxed) & TAG_DEPTH) + 1;
-    uint32_t side = 1u << (depth - 1), sides = b->sides & ~side;
+    uint32_t depth = d + 1, side = 1u << d, sides = b->sides & ~side;
     large_hdr_t *lo = (large_hdr_t *)block, *hi = (large_hdr_t *)(block + csize);
-    *hi = (large_hdr_t){.magic = LARGE_MAGIC, .block = block + csize, .block_size = csize,
-                        .cls = c, .sides = sides | side};
-    atomic_init(&hi->tag, tag_of(c, depth, 0));
+    set_half(hi, csize, c, sides | side, tag_of(c, depth, 0));
     list_large(k, hi);
-    *lo = (large_hdr_t){.block = block, .block_size = csize, .cls = c, .sides = sides};
-    atomic_init(&lo->tag, tag_of(c, depth, 0));
+    set_half(lo, csize, c, sides, tag_of(c, depth, 0));
     atomic_fetch_sub(&A.cached, csize); /* the other half stays cached */
     return lo;
 }
