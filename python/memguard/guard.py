@@ -646,6 +646,7 @@ class Guard:
 
             peer_oom = None
             cause = None      # set when nothing smaller is left: the step gives up
+            refused = None    # set when another rank's weights sum to 0
             try:
                 with peers.attempt(deferred) if peers is not None else contextlib.nullcontext():
                     if embed_fn is not None:
@@ -682,27 +683,23 @@ class Guard:
                 if peers is not None:
                     res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
                     if res[0] == _WEIGHTLESS:     # another rank's step cannot be done
-                        acc.reset()
-                        snapshot.restore()
-                        peers.reset()
-                        raise ValueError(_PEER_WEIGHTLESS) from exc
-                    if res[1] and res[1] != nxt:
+                        refused = ValueError(_PEER_WEIGHTLESS)
+                        refused.__cause__ = exc
+                    elif res[1] and res[1] != nxt:
                         self._planner.agree(res[1])
                     nxt = res[1]
                 if not nxt:
                     cause = exc
-            if cause is not None:
-                acc.reset()
-                snapshot.restore()
-                if peers is not None:
-                    peers.reset()
-                self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
-                raise GuardOOMError(tried, self.min_micro_batch) from cause
             # out of the except block: the failed attempt's frames are gone
             acc.reset()
             snapshot.restore()
             if peers is not None:
                 peers.reset()
+            if refused is not None:
+                raise refused
+            if cause is not None:
+                self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
+                raise GuardOOMError(tried, self.min_micro_batch) from cause
             self.gc.relieve_oom()
             self._peak.start(batch)   # the peak the planner learns is the retry's
             with self._level_lock:    # and the pressure the next boundary acts on:
