@@ -74,6 +74,12 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     # interleaved with glibc: its step ratio is the median of the paired rounds
     assert len(inproc["paired_ratios"]) == 1
     assert inproc["step_ratio"] == pytest.approx(inproc["paired_ratios"][0])
+    # and with hand-tuned glibc, the tuning the step-time target stands for
+    assert len(inproc["tuned_paired_ratios"]) == 1
+    assert inproc["tuned_step_ratio"] == pytest.approx(inproc["tuned_paired_ratios"][0])
+    # the kernel's share of a step: CPU seconds, at most all of the step's CPU
+    for c in ("glibc", "memguard-inprocess"):
+        assert 0 <= cpu[c]["sys_s"] <= cpu[c]["cpu_s"], cpu[c]
 
     thr = mg["throttle"]
     assert len(thr["overhead"]["paired_ratios"]) == 2
