@@ -865,9 +865,15 @@ static void test_huge_requests(void)
 
 /* ---- threads ------------------------------------------------------------ */
 
+typedef size_t size_fn(uint64_t *rng, size_t *align);
+
+/* A churning thread: it holds up to `slots` blocks of sizes drawn by `size`
+ * (random_size when NULL), freeing or allocating one at a time. */
 typedef struct worker {
     pthread_t tid;
     uint64_t rng;
+    size_fn *size;
+    unsigned slots;
     uint64_t allocs, ooms, errors, corrupt;
     atomic_int *stop;
 } worker_t;
@@ -917,8 +923,10 @@ static void *churn(void *arg)
     worker_t *w = arg;
     void *slot[SLOTS] = {NULL};
     uint64_t tags[SLOTS] = {0};
+    size_fn *size = w->size ? w->size : random_size;
+    unsigned slots = w->slots && w->slots < SLOTS ? w->slots : SLOTS;
     while (!atomic_load_explicit(w->stop, memory_order_relaxed)) {
-        unsigned i = (unsigned)(next_rand(&w->rng) % SLOTS);
+        unsigned i = (unsigned)(next_rand(&w->rng) % slots);
         if (slot[i]) {
             size_t u = mg_arena_usable_size(slot[i]);
             if (!tagged(slot[i], u, tags[i]))
@@ -927,7 +935,7 @@ static void *churn(void *arg)
             slot[i] = NULL;
             continue;
         }
-        size_t align, n = random_size(&w->rng, &align);
+        size_t align, n = size(&w->rng, &align);
         int rc = mg_arena_alloc(n, align, &slot[i]);
         if (rc == ENOMEM) {
             w->ooms++;
@@ -942,13 +950,27 @@ static void *churn(void *arg)
             tag(slot[i], mg_arena_usable_size(slot[i]), tags[i]);
         }
     }
-    for (unsigned i = 0; i < SLOTS; i++)
+    for (unsigned i = 0; i < slots; i++)
         if (slot[i]) {
             if (!tagged(slot[i], mg_arena_usable_size(slot[i]), tags[i]))
                 w->corrupt++;
             mg_arena_free(slot[i]);
         }
     return NULL;
+}
+
+/* Join n workers; their counts, summed. */
+static worker_t join_workers(worker_t *w, int n)
+{
+    worker_t sum = {0};
+    for (int i = 0; i < n; i++) {
+        pthread_join(w[i].tid, NULL);
+        sum.allocs += w[i].allocs;
+        sum.ooms += w[i].ooms;
+        sum.errors += w[i].errors;
+        sum.corrupt += w[i].corrupt;
+    }
+    return sum;
 }
 
 typedef struct watcher {
@@ -1001,14 +1023,8 @@ static void test_budget_race(void)
         CHECK(st().reserved_current <= budget);
     }
     atomic_store(&stop, 1);
-    uint64_t allocs = 0, ooms = 0, errors = 0, corrupt = 0;
-    for (int i = 0; i < THREADS; i++) {
-        pthread_join(w[i].tid, NULL);
-        allocs += w[i].allocs;
-        ooms += w[i].ooms;
-        errors += w[i].errors;
-        corrupt += w[i].corrupt;
-    }
+    worker_t sum = join_workers(w, THREADS);
+    uint64_t allocs = sum.allocs, ooms = sum.ooms, errors = sum.errors, corrupt = sum.corrupt;
     pthread_join(wt.tid, NULL);
     mg_arena_stats_t s1 = st();
     printf("  %llu allocs, %llu refused, %llu reads, reserved up to %llu of %llu\n",
@@ -1042,51 +1058,19 @@ static void test_budget_race(void)
     check_idle();
 }
 
+/* The pieces of an 8 MiB block: its halves, quarters and eighths. */
+static size_t split_size(uint64_t *rng, size_t *align)
+{
+    static const size_t sizes[] = {4 * MiB - HDR, 2 * MiB - HDR, 1 * MiB - HDR};
+    *align = 64;
+    return sizes[next_rand(rng) % 3];
+}
+
 /* Threads splitting and merging the halves of one cached block: nothing new
  * fits under the budget, so every allocation is a half (or a half's half) of
  * it, split while other threads free the buddies of the blocks being split.
  * Under ThreadSanitizer this is where a header written under one class's
  * lock and read under another's shows up. */
-static const size_t split_sizes[] = {4 * MiB - HDR, 2 * MiB - HDR, 1 * MiB - HDR};
-
-static void *split_churn(void *arg)
-{
-    worker_t *w = arg;
-    enum { HELD = 3 };
-    void *slot[HELD] = {NULL};
-    uint64_t tags[HELD] = {0};
-    while (!atomic_load_explicit(w->stop, memory_order_relaxed)) {
-        unsigned i = (unsigned)(next_rand(&w->rng) % HELD);
-        if (slot[i]) {
-            if (!tagged(slot[i], mg_arena_usable_size(slot[i]), tags[i]))
-                w->corrupt++;
-            mg_arena_free(slot[i]);
-            slot[i] = NULL;
-            continue;
-        }
-        size_t n = split_sizes[next_rand(&w->rng) % 3];
-        int rc = mg_arena_alloc(n, 64, &slot[i]);
-        if (rc == ENOMEM) {
-            w->ooms++;
-            slot[i] = NULL;
-        } else if (rc != 0 || mg_arena_usable_size(slot[i]) != n) {
-            w->errors++;
-            slot[i] = NULL;
-        } else {
-            w->allocs++;
-            tags[i] = next_rand(&w->rng) | 1;
-            tag(slot[i], n, tags[i]);
-        }
-    }
-    for (unsigned i = 0; i < HELD; i++)
-        if (slot[i]) {
-            if (!tagged(slot[i], mg_arena_usable_size(slot[i]), tags[i]))
-                w->corrupt++;
-            mg_arena_free(slot[i]);
-        }
-    return NULL;
-}
-
 static void test_split_race(void)
 {
     enum { THREADS = 4 };
@@ -1102,20 +1086,15 @@ static void test_split_race(void)
     atomic_int stop = 0;
     worker_t w[THREADS];
     for (int i = 0; i < THREADS; i++) {
-        w[i] = (worker_t){.rng = 0x9e3779b9ULL * (uint64_t)(i + 1) + 7, .stop = &stop};
-        CHECK_EQ(pthread_create(&w[i].tid, NULL, split_churn, &w[i]), 0);
+        w[i] = (worker_t){.rng = 0x9e3779b9ULL * (uint64_t)(i + 1) + 7, .size = split_size,
+                          .slots = 3, .stop = &stop};
+        CHECK_EQ(pthread_create(&w[i].tid, NULL, churn, &w[i]), 0);
     }
     struct timespec ts = {0, slow ? 200 * 1000 * 1000 : 400 * 1000 * 1000};
     nanosleep(&ts, NULL);
     atomic_store(&stop, 1);
-    uint64_t allocs = 0, ooms = 0, errors = 0, corrupt = 0;
-    for (int i = 0; i < THREADS; i++) {
-        pthread_join(w[i].tid, NULL);
-        allocs += w[i].allocs;
-        ooms += w[i].ooms;
-        errors += w[i].errors;
-        corrupt += w[i].corrupt;
-    }
+    worker_t sum = join_workers(w, THREADS);
+    uint64_t allocs = sum.allocs, ooms = sum.ooms, errors = sum.errors, corrupt = sum.corrupt;
     mg_arena_stats_t s1 = st();
     printf("  %llu halves, %llu refused\n", (unsigned long long)allocs,
            (unsigned long long)ooms);
