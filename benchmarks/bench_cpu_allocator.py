@@ -30,6 +30,7 @@ glibc's.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import sys
@@ -200,17 +201,17 @@ def test_step(benchmark, figures: Figures, quick: bool, baseline_workers, worklo
             if config in PAIRED:
                 bases = {b: baseline_workers(b, workload, image, warmup) for b in BASELINES}
 
+                calls = itertools.count()
+
                 def baselines() -> dict:
                     # the baselines run before memguard's step in even rounds,
                     # after it in odd ones: swapping their order every two
                     # rounds puts each next to memguard's step in half of them
-                    order = list(bases) if len(paired) // 2 % 2 == 0 else list(bases)[::-1]
-                    res = {b: bases[b].call("step") for b in order}
-                    paired.append(res)
-                    return res
+                    order = list(bases) if next(calls) // 2 % 2 == 0 else list(bases)[::-1]
+                    return {b: bases[b].call("step") for b in order}
 
-                steps, _ = pedantic_paired(benchmark, lambda: w.call("step"), baselines,
-                                           rounds=paired_rounds)
+                steps, paired = pedantic_paired(benchmark, lambda: w.call("step"), baselines,
+                                                rounds=paired_rounds)
             else:
                 benchmark.pedantic(lambda: steps.append(w.call("step")), rounds=rounds)
             peak = w.call("peak")["peak_rss_bytes"]
