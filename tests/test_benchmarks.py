@@ -77,6 +77,10 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     # and with hand-tuned glibc, the tuning the step-time target stands for
     assert len(inproc["tuned_paired_ratios"]) == 1
     assert inproc["tuned_step_ratio"] == pytest.approx(inproc["tuned_paired_ratios"][0])
+    # the floor of the paired glibc steps without their kernel time
+    assert len(inproc["kernel_floors"]) == 1
+    assert inproc["kernel_floor"] == pytest.approx(inproc["kernel_floors"][0])
+    assert inproc["kernel_floor"] <= 1     # kernel time only ever lowers it
     # the kernel's share of a step: CPU seconds, at most all of the step's CPU
     for c in ("glibc", "memguard-inprocess"):
         assert 0 <= cpu[c]["sys_s"] <= cpu[c]["cpu_s"], cpu[c]
