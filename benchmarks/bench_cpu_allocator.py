@@ -4,8 +4,9 @@ preload shim (`memguard run`) and memguard in-process (`memguard.install()`).
 
 Every configuration runs in its own worker process (the allocator is chosen
 at process start); pytest-benchmark times its steps from here, one round a
-step, after one untimed warm-up step (the optimizer's state is allocated in
-the first). The configurations of a workload run one after the other, and the
+step, after six untimed warm-up steps (the optimizer's state is allocated in
+the first; glibc takes a few to settle, see FULL), whose faults are printed.
+The configurations of a workload run one after the other, and the
 ratios against plain glibc use the medians of the steps as each worker timed
 them (the pipe's round trip left out). memguard in-process, the configuration
 with targets, is interleaved with plain and hand-tuned glibc: their workers
@@ -66,8 +67,12 @@ SECTION = "cpu_allocator"
 
 #: (image px, warm-up steps, timed rounds, paired rounds): the full run and
 #: --bench-quick. The configuration with targets gets more rounds: a step's
-#: time wanders by 10-15 % from round to round on two shared cores.
-FULL = (224, 1, 3, 5)
+#: time wanders by 10-15 % from round to round on two shared cores. glibc
+#: takes a few steps to settle (its mmap threshold rises as it frees mapped
+#: chunks; ViT-S b32 here: 795k, 418k, 203k, 156k, 54k faults in its first
+#: five steps, 0-90k after), so every configuration warms up for six steps
+#: and all figures are of the steady state, paired rounds included.
+FULL = (224, 6, 3, 5)
 QUICK = (64, 1, 1, 1)
 
 
@@ -164,16 +169,18 @@ def baseline_workers():
     configurations paired with them (one workload's at a time)."""
     live: dict[tuple[str, str], Worker] = {}
 
-    def get(config: str, workload: str, image: int, warmup: int) -> Worker:
+    warm: dict[tuple[str, str], list[dict]] = {}
+
+    def get(config: str, workload: str, image: int, warmup: int) -> tuple[Worker, list[dict]]:
+        """The worker, and its warm-up steps."""
         for key in [k for k in live if k[1] != workload]:
             live.pop(key).close()
         if (config, workload) not in live:
             w = Worker(__file__, [config, workload, str(image)], env=config_env(config))
             w.__enter__()
-            for _ in range(warmup):
-                w.call("step")
+            warm[(config, workload)] = [w.call("step") for _ in range(warmup)]
             live[(config, workload)] = w
-        return live[(config, workload)]
+        return live[(config, workload)], warm[(config, workload)]
 
     yield get
     for w in live.values():
@@ -194,15 +201,14 @@ def test_step(benchmark, figures: Figures, quick: bool, baseline_workers, worklo
     steps: list[dict] = []
     paired: list[dict] = []
     if config in BASELINES:
-        w = baseline_workers(config, workload, image, warmup)
+        w, warm = baseline_workers(config, workload, image, warmup)
         benchmark.pedantic(lambda: steps.append(w.call("step")), rounds=rounds)
         peak = w.call("peak")["peak_rss_bytes"]
     else:
         with Worker(__file__, [config, workload, str(image)], env=env) as w:
-            for _ in range(warmup):
-                w.call("step")
+            warm = [w.call("step") for _ in range(warmup)]
             if config in PAIRED:
-                bases = {b: baseline_workers(b, workload, image, warmup) for b in BASELINES}
+                bases = {b: baseline_workers(b, workload, image, warmup)[0] for b in BASELINES}
 
                 calls = itertools.count()
 
@@ -222,7 +228,8 @@ def test_step(benchmark, figures: Figures, quick: bool, baseline_workers, worklo
            "step_s": median(s["step_s"] for s in steps),
            "faults_per_step": median(s["faults"] for s in steps),
            "sys_s": median(s["sys_s"] for s in steps),
-           "cpu_s": median(s["user_s"] + s["sys_s"] for s in steps), "peak_rss_bytes": peak}
+           "cpu_s": median(s["user_s"] + s["sys_s"] for s in steps), "peak_rss_bytes": peak,
+           "warmup_faults": [s["faults"] for s in warm]}
     if paired:
         own = [s["step_s"] for s in steps]
         fig["paired_ratios"], fig["paired_step_ratio"] = paired_median(
@@ -263,7 +270,8 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
                   "faults_ratio": ratio(r["faults_per_step"], b.get("faults_per_step")),
                   "peak_rss_ratio": ratio(r["peak_rss_bytes"], b.get("peak_rss_bytes"))}
             data[w][r["config"]] = {k: r[k] for k in ("step_s", "faults_per_step", "sys_s",
-                                                       "cpu_s", "peak_rss_bytes")} | rs
+                                                       "cpu_s", "peak_rss_bytes",
+                                                       "warmup_faults")} | rs
             for k in ("paired_ratios", "tuned_paired_ratios", "tuned_step_ratio",
                       "kernel_floors", "kernel_floor"):
                 if k in r:
@@ -285,6 +293,8 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
                              "1 - kernel s / step s: "
                              + ", ".join(f"{x:.3f}" for x in r["kernel_floors"])
                              + f" (median {fmt(r['kernel_floor'])}): no allocator runs below it")
+        lines.append("  faults a warm-up step: " + "; ".join(
+            f"{r['config']} " + ", ".join(f"{x:,}" for x in r["warmup_faults"]) for r in rows))
         if base and base["cpu_s"] > 0:
             # an allocator saves the kernel time of glibc's faults and
             # syscalls, and the time the other thread spins waiting on them;

@@ -81,6 +81,10 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     assert len(inproc["kernel_floors"]) == 1
     assert inproc["kernel_floor"] == pytest.approx(inproc["kernel_floors"][0])
     assert inproc["kernel_floor"] <= 1     # kernel time only ever lowers it
+    # the warm-up steps' faults, one a step (the figures are of the steps after)
+    for c in ("glibc", "memguard-inprocess"):
+        assert len(cpu[c]["warmup_faults"]) == 1 and cpu[c]["warmup_faults"][0] >= 0
+    assert "faults a warm-up step: glibc " in out.stdout
     # the kernel's share of a step: CPU seconds, at most all of the step's CPU
     for c in ("glibc", "memguard-inprocess"):
         assert 0 <= cpu[c]["sys_s"] <= cpu[c]["cpu_s"], cpu[c]
