@@ -16,9 +16,10 @@ ratios. Each step also reports the CPU time of the process's threads and the
 kernel's share of it: the time glibc's faults, mmap/munmap and brk cost is
 what an allocator can save at most (with the spinning of the other thread
 that waits on them). Hence the kernel-side floor printed for the paired
-glibc steps, 1 - kernel s / step s: as no thread's timeline loses more than
-its own kernel time, a step without any of glibc's kernel time still takes
-at least that share of glibc's step.
+glibc steps, 1 - kernel s / step s (see kernel_floor): what a step would
+come to with none of glibc's kernel time, the most an allocator saves by
+faulting and calling the kernel less. What it cannot steer (where a
+process's memory and code land in the caches) moves a step either way.
 
 Workloads: a ViT-S encoder (dim 384, depth 12, 6 heads, 16 px patches of
 224 px images) at batch 8 and 32, and a DINO-like multi-crop step (batch 8:
@@ -155,6 +156,19 @@ def worker(config: str, workload: str, image: int) -> dict:
     return {"step": step, "peak": peak}
 
 
+def kernel_floor(step: dict) -> float:
+    """A step's wall time with none of its kernel time, as a share of it.
+
+    The wall time of a step is one chain of segments across its threads (a
+    thread that waits on another picks up the other's chain). Taking the
+    kernel time out of every thread shortens that chain by at most the
+    kernel time on it, at most all threads' together: sys_s of the process.
+    So an allocator that spares glibc's faults and syscalls, and the waits
+    on them, brings a step no lower than this, other things equal.
+    """
+    return 1 - step["sys_s"] / step["step_s"]
+
+
 # ------------------------------------------------------------- the benchmark
 #: configurations whose every step is paired with a step of each baseline
 PAIRED = ("memguard-inprocess",)
@@ -236,12 +250,7 @@ def test_step(benchmark, figures: Figures, quick: bool, baseline_workers, worklo
             own, [p["glibc"]["step_s"] for p in paired])
         fig["tuned_paired_ratios"], fig["tuned_step_ratio"] = paired_median(
             own, [p["glibc-tuned"]["step_s"] for p in paired])
-        # the floor of the paired glibc steps: a step with none of glibc's
-        # kernel time. Every thread's timeline loses at most its own kernel
-        # time, so the step's wall time at most all threads' together: an
-        # allocator, which saves the kernel time of faults and syscalls (and
-        # the waits on it), cannot run below (step - kernel) / step of glibc's
-        fig["kernel_floors"] = [1 - p["glibc"]["sys_s"] / p["glibc"]["step_s"] for p in paired]
+        fig["kernel_floors"] = [kernel_floor(p["glibc"]) for p in paired]
         fig["kernel_floor"] = median(fig["kernel_floors"])
     benchmark.extra_info.update({k: fig[k] for k in ("step_s", "faults_per_step", "sys_s",
                                                       "peak_rss_bytes")})
@@ -292,7 +301,8 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
                 lines.append(f"  {r['config']}: kernel-side floor of those glibc steps, "
                              "1 - kernel s / step s: "
                              + ", ".join(f"{x:.3f}" for x in r["kernel_floors"])
-                             + f" (median {fmt(r['kernel_floor'])}): no allocator runs below it")
+                             + f" (median {r['kernel_floor']:.3f}): a step with none of "
+                             "glibc's kernel time")
         lines.append("  faults a warm-up step: " + "; ".join(
             f"{r['config']} " + ", ".join(f"{x:,}" for x in r["warmup_faults"]) for r in rows))
         if base and base["cpu_s"] > 0:
