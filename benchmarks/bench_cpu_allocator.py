@@ -146,7 +146,7 @@ def worker(config: str, workload: str, image: int) -> dict:
         t1 = time.perf_counter()
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         # CPU time of all the process's threads: the kernel's share is what
-        # faults, mmap/munmap and brk cost, the bound on what an allocator saves
+        # faults, mmap/munmap and brk cost, what an allocator saves (kernel_floor)
         return {"step_s": t1 - t0, "faults": r1.ru_minflt - r0.ru_minflt,
                 "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime}
 
@@ -181,23 +181,20 @@ BASELINES = ("glibc", "glibc-tuned")
 def baseline_workers():
     """The baselines' workers of the workload under test, kept up for the
     configurations paired with them (one workload's at a time)."""
-    live: dict[tuple[str, str], Worker] = {}
-
-    warm: dict[tuple[str, str], list[dict]] = {}
+    live: dict[tuple[str, str], tuple[Worker, list[dict]]] = {}
 
     def get(config: str, workload: str, image: int, warmup: int) -> tuple[Worker, list[dict]]:
         """The worker, and its warm-up steps."""
         for key in [k for k in live if k[1] != workload]:
-            live.pop(key).close()
+            live.pop(key)[0].close()
         if (config, workload) not in live:
             w = Worker(__file__, [config, workload, str(image)], env=config_env(config))
             w.__enter__()
-            warm[(config, workload)] = [w.call("step") for _ in range(warmup)]
-            live[(config, workload)] = w
-        return live[(config, workload)], warm[(config, workload)]
+            live[(config, workload)] = (w, [w.call("step") for _ in range(warmup)])
+        return live[(config, workload)]
 
     yield get
-    for w in live.values():
+    for w, _ in live.values():
         w.close()
 
 

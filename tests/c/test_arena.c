@@ -1024,19 +1024,19 @@ static void test_budget_race(void)
     }
     atomic_store(&stop, 1);
     worker_t sum = join_workers(w, THREADS);
-    uint64_t allocs = sum.allocs, ooms = sum.ooms, errors = sum.errors, corrupt = sum.corrupt;
     pthread_join(wt.tid, NULL);
     mg_arena_stats_t s1 = st();
     printf("  %llu allocs, %llu refused, %llu reads, reserved up to %llu of %llu\n",
-           (unsigned long long)allocs, (unsigned long long)ooms, (unsigned long long)wt.reads,
+           (unsigned long long)sum.allocs, (unsigned long long)sum.ooms,
+           (unsigned long long)wt.reads,
            (unsigned long long)wt.max_seen, (unsigned long long)budget);
-    CHECK_EQ(errors, 0);
-    CHECK_EQ(corrupt, 0);
+    CHECK_EQ(sum.errors, 0);
+    CHECK_EQ(sum.corrupt, 0);
     /* the budget was reached, so the test means something; valgrind runs the
      * threads one at a time, too slowly to promise it, and checks memory only */
     if (!slow) {
-        CHECK(allocs > 100);
-        CHECK(ooms > 0);
+        CHECK(sum.allocs > 100);
+        CHECK(sum.ooms > 0);
     }
     CHECK_EQ(wt.over, 0);
     CHECK(wt.max_seen <= budget);
@@ -1044,9 +1044,9 @@ static void test_budget_race(void)
     CHECK(s1.reserved_current <= budget);
     CHECK_EQ(s1.allocated_current, s0.allocated_current);
     CHECK_EQ(s1.requested_current, s0.requested_current);
-    CHECK_EQ(s1.num_allocs - s0.num_allocs, allocs);
-    CHECK_EQ(s1.num_frees - s0.num_frees, allocs);
-    CHECK_EQ(s1.num_ooms - s0.num_ooms, ooms);
+    CHECK_EQ(s1.num_allocs - s0.num_allocs, sum.allocs);
+    CHECK_EQ(s1.num_frees - s0.num_frees, sum.allocs);
+    CHECK_EQ(s1.num_ooms - s0.num_ooms, sum.ooms);
     /* everything is cache or free small blocks now: releasing the cache
      * leaves the small blocks carved, whole ones, within the budget */
     mg_arena_trim(0, NULL);
@@ -1094,14 +1094,13 @@ static void test_split_race(void)
     nanosleep(&ts, NULL);
     atomic_store(&stop, 1);
     worker_t sum = join_workers(w, THREADS);
-    uint64_t allocs = sum.allocs, ooms = sum.ooms, errors = sum.errors, corrupt = sum.corrupt;
     mg_arena_stats_t s1 = st();
-    printf("  %llu halves, %llu refused\n", (unsigned long long)allocs,
-           (unsigned long long)ooms);
-    CHECK_EQ(errors, 0);
-    CHECK_EQ(corrupt, 0);
+    printf("  %llu halves, %llu refused\n", (unsigned long long)sum.allocs,
+           (unsigned long long)sum.ooms);
+    CHECK_EQ(sum.errors, 0);
+    CHECK_EQ(sum.corrupt, 0);
     if (!slow)
-        CHECK(allocs > 100);
+        CHECK(sum.allocs > 100);
     printf("  %llu cache hits, %llu trims\n",
            (unsigned long long)(s1.num_cache_hits - s0.num_cache_hits),
            (unsigned long long)(s1.num_trims - s0.num_trims));
@@ -1110,9 +1109,9 @@ static void test_split_race(void)
     CHECK(s1.reserved_peak <= s0.reserved_current);
     CHECK(s1.reserved_current <= s0.reserved_current);
     CHECK(s1.cached_bytes <= s1.reserved_current - s0.allocated_current);
-    CHECK_EQ(s1.num_allocs - s0.num_allocs, allocs);
-    CHECK_EQ(s1.num_frees - s0.num_frees, allocs);
-    CHECK_EQ(s1.num_ooms - s0.num_ooms, ooms);
+    CHECK_EQ(s1.num_allocs - s0.num_allocs, sum.allocs);
+    CHECK_EQ(s1.num_frees - s0.num_frees, sum.allocs);
+    CHECK_EQ(s1.num_ooms - s0.num_ooms, sum.ooms);
     CHECK_EQ(s1.allocated_current, s0.allocated_current);
     CHECK_EQ(s1.requested_current, s0.requested_current);
     mg_arena_set_budget(0);
@@ -1180,15 +1179,11 @@ static void test_fork(void)
             break;
     }
     atomic_store(&stop, 1);
-    uint64_t allocs = 0;
-    for (int i = 0; i < THREADS; i++) {
-        pthread_join(w[i].tid, NULL);
-        CHECK_EQ(w[i].errors, 0);
-        CHECK_EQ(w[i].corrupt, 0);
-        allocs += w[i].allocs;
-    }
-    CHECK(allocs > 0);
-    CHECK_EQ(st().num_allocs - s0.num_allocs, allocs);
+    worker_t sum = join_workers(w, THREADS);
+    CHECK_EQ(sum.errors, 0);
+    CHECK_EQ(sum.corrupt, 0);
+    CHECK(sum.allocs > 0);
+    CHECK_EQ(st().num_allocs - s0.num_allocs, sum.allocs);
     mg_arena_trim(0, NULL);
     check_idle();
 }
