@@ -217,14 +217,6 @@ def ema_update(teacher: nn.Module, student: nn.Module, momentum: float) -> None:
 
 
 # -- training ----------------------------------------------------------------
-def process_budget(text: str) -> int:
-    """Bytes of a ``--budget``: ``"+48MiB"`` is 48 MiB above what this process
-    holds now (the interpreter and torch); anything else is a
-    budget as :func:`memguard.parse_budget` reads it."""
-    if text.startswith("+"):
-        return (memguard.sample().rss_bytes or 0) + memguard.parse_budget(text[1:])
-    return memguard.parse_budget(text)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -232,10 +224,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps (default: 60, or 8 with --quick)")
     p.add_argument("--batch", type=int, default=32, help="images per optimizer step (=32)")
-    p.add_argument("--budget", default="+48MiB",
-                   help="memory budget of the whole process: a size, or +SIZE for SIZE "
-                   "above what the process holds when training starts (=+48MiB: room for "
-                   "the model and a split batch, not for the whole batch)")
+    p.add_argument("--budget", default="auto",
+                   help='memory budget of the whole process: "auto" (what it can have now), '
+                        'a size, or a share of memory (=auto)')
+    p.add_argument("--tensor-budget", default="48MiB",
+                   help="what memguard's allocator may hold for tensors (=48MiB: room for the model and a split batch, not for the whole batch)")
     p.add_argument("--min-micro-batch", type=int, default=4)
     p.add_argument("--local-crops", type=int, default=6)
     p.add_argument("--image-size", type=int, default=40)
@@ -263,18 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)                       # initialisation
     gen = torch.Generator().manual_seed(args.seed)    # the data
 
-    # The budget covers the whole process; memguard's arena, which serves
-    # the tensors, gets what is left of it once the memory held outside
-    # the arena (the interpreter, torch's libraries) is counted at install.
-    # That room is what splitting the batch can save. Once training starts
-    # the process grows by more than the room, outside the tensors' count
-    # (torch's code paged in, the C heap, whole pages under the arena's
-    # small blocks), and no split undoes that, so the pressure sampler is
-    # given no budget of its own: it reads the arena's use of its room (and
-    # the system's signals) instead of RSS against a budget this small.
-    guard = memguard.Guard(budget=process_budget(args.budget),
-                           min_micro_batch=args.min_micro_batch, telemetry=args.telemetry,
-                           sampler=memguard.Sampler(budget=None))
+    # The process's budget is live ("auto": what it can have now, re-derived
+    # at every step boundary); the tensors get what memguard's allocator may
+    # hold, --tensor-budget, within it. At this toy scale the interpreter
+    # and torch are most of the process, so a budget for the tensors alone
+    # is what makes the throttle act.
+    guard = memguard.Guard(budget=args.budget, tensor_budget=args.tensor_budget,
+                           min_micro_batch=args.min_micro_batch, telemetry=args.telemetry)
     counts = {"center_updates": 0, "ema_updates": 0}
     effective: list[int] = []
     micro_batches: list[int] = []

@@ -139,9 +139,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="a short run (tests)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--budget", default=None,
-                    help="memory budget of the process (default: 64 MiB above what it holds "
-                         "before training, less than a full batch needs)")
+    ap.add_argument("--budget", default="auto",
+                    help='memory budget of the process: "auto" (what it can have now), a '
+                         'size, or a share of memory (=auto)')
+    ap.add_argument("--tensor-budget", default="64MiB",
+                    help="what memguard's allocator may hold for tensors (=64MiB: less than "
+                         "a full batch needs)")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
     ap.add_argument("--seed", type=int, default=0)
@@ -154,15 +157,10 @@ def main(argv: list[str] | None = None) -> dict:
     data = Spectra(steps * a.batch * a.devices, a.seed)
     loader = DataLoader(data, batch_size=a.batch, shuffle=True, drop_last=True)
     model = PeakTransformer(total_steps=steps)
-    budget = a.budget or memguard.sample().rss_bytes + (64 << 20)
-    # The budget covers the process; memguard's allocator gets what is left
-    # for tensors once what the process holds is counted at setup. Past
-    # that, the process grows outside the tensors (torch's code paged in, the
-    # C heap), which no split undoes, so the pressure sampler reads the
-    # allocator's use of its room and the system's signals, not RSS against
-    # a budget this tight.
-    guard_cb = MemGuardCallback(budget=budget, min_micro_batch=4,
-                                sampler=memguard.Sampler(budget=None))
+    # The process's budget is live; the tensors get what memguard's
+    # allocator may hold, --tensor-budget, within it (at this toy scale the
+    # interpreter and torch are most of the process).
+    guard_cb = MemGuardCallback(budget=a.budget, tensor_budget=a.tensor_budget, min_micro_batch=4)
     record = Record(guard_cb)
     trainer = L.Trainer(
         max_steps=steps, accelerator="cpu", devices=a.devices,

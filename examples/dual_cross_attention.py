@@ -20,7 +20,7 @@ see :mod:`memguard.checkpoint`). ``--checkpoint-blocks 4`` starts with
 every block checkpointed: the whole batch then fits, and memguard turns
 checkpointing off as the run stays calm.
 
-    python examples/dual_cross_attention.py [--quick] [--budget +24MiB] [--checkpoint-blocks N]
+    python examples/dual_cross_attention.py [--quick] [--tensor-budget 24MiB] [--checkpoint-blocks N]
 """
 from __future__ import annotations
 
@@ -120,13 +120,6 @@ def make_data(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, t
     return x, y, torch.arange(n) // 2
 
 
-def process_budget(text: str) -> int:
-    """``--budget``: a size for the whole process, or ``+SIZE``: what the
-    process holds now plus SIZE for training's tensors."""
-    if text.startswith("+"):
-        return memguard.sample().rss_bytes + memguard.parse_budget(text[1:])
-    return memguard.parse_budget(text)
-
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
@@ -135,9 +128,11 @@ def mib(n: float) -> str:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short run (tests, a first try)")
-    p.add_argument("--budget", default="+24MiB",
-                   help="memory budget of the whole process, or +SIZE: what it holds when "
-                        "training starts plus SIZE (=+24MiB: the whole batch does not fit)")
+    p.add_argument("--budget", default="auto",
+                   help='memory budget of the whole process: "auto" (what it can have now), '
+                        'a size, or a share of memory (=auto)')
+    p.add_argument("--tensor-budget", default="24MiB",
+                   help="what memguard's allocator may hold for tensors (=24MiB: the whole batch does not fit)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (=60, quick 12)")
     p.add_argument("--checkpoint-blocks", type=int, default=0,
                    help="blocks checkpointed from the start (=0); memguard switches more on "
@@ -181,16 +176,14 @@ def main(argv: list[str] | None = None) -> dict:
         accuracy.append(aux.mean().item())
 
     t0 = time.perf_counter()
-    # The budget covers the whole process: memguard's arena gets what is
-    # left once what the process holds (interpreter, torch, the model and
-    # the data: some 300 MiB) is counted, 24 MiB for training's tensors
-    # (activations, gradients, optimizer state) by default. At this toy
-    # scale that fixed part is over 90 % of the budget, so RSS against the
-    # budget would read HIGH from the first sample: the pressure sampler
-    # gets no budget and reads the arena's use of its share instead.
-    guard = memguard.Guard(budget=process_budget(args.budget), multiple_of=2, min_micro_batch=2,
-                           checkpoint=None if args.no_checkpoint else model.blocks,
-                           sampler=memguard.Sampler(budget=None))
+    # The process's budget is live ("auto": what it can have now, re-derived
+    # at every step boundary); the tensors get what memguard's allocator may
+    # hold, --tensor-budget, within it. At this toy scale the interpreter
+    # and torch are most of the process, so a budget for the tensors alone
+    # is what makes the throttle act.
+    guard = memguard.Guard(budget=args.budget, tensor_budget=args.tensor_budget, multiple_of=2,
+                           min_micro_batch=2,
+                           checkpoint=None if args.no_checkpoint else model.blocks)
     if guard.checkpoints is not None:
         guard.checkpoints.set(args.checkpoint_blocks)
     with guard:

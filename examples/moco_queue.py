@@ -192,14 +192,6 @@ class MoCoV3(nn.Module):
 
 
 # -- training ----------------------------------------------------------------
-def process_budget(text: str) -> int:
-    """Bytes of a ``--budget``: ``"+48MiB"`` is 48 MiB above what this process
-    holds now (the interpreter and torch); anything else is a
-    budget as :func:`memguard.parse_budget` reads it."""
-    if text.startswith("+"):
-        return (memguard.sample().rss_bytes or 0) + memguard.parse_budget(text[1:])
-    return memguard.parse_budget(text)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -211,10 +203,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="images per optimizer step (=64)")
     p.add_argument("--queue-size", type=int, default=4096,
                    help="negative keys in the queue (v2), a multiple of --batch (=4096)")
-    p.add_argument("--budget", default="+28MiB",
-                   help="memory budget of the whole process: a size, or +SIZE for SIZE "
-                   "above what the process holds when training starts (=+28MiB: room for "
-                   "the model and a split batch, not for the whole batch)")
+    p.add_argument("--budget", default="auto",
+                   help='memory budget of the whole process: "auto" (what it can have now), '
+                        'a size, or a share of memory (=auto)')
+    p.add_argument("--tensor-budget", default="28MiB",
+                   help="what memguard's allocator may hold for tensors (=28MiB: room for the model and a split batch, not for the whole batch)")
     p.add_argument("--min-micro-batch", type=int, default=4)
     p.add_argument("--image-size", type=int, default=40)
     p.add_argument("--crop-size", type=int, default=32)
@@ -257,18 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     # micro-batch: enqueuing per micro-batch would stay aligned too.
     # v3: GroupNorm, any split computes the same loss; no constraint.
     divisor = args.batch if args.variant == "v2" else None
-    # The budget covers the whole process; memguard's arena, which serves
-    # the tensors, gets what is left of it once the memory held outside
-    # the arena (the interpreter, torch's libraries) is counted at install.
-    # That room is what splitting the batch can save. Once training starts
-    # the process grows by more than the room, outside the tensors' count
-    # (torch's code paged in, the C heap, whole pages under the arena's
-    # small blocks), and no split undoes that, so the pressure sampler is
-    # given no budget of its own: it reads the arena's use of its room (and
-    # the system's signals) instead of RSS against a budget this small.
-    guard = memguard.Guard(budget=process_budget(args.budget),
+    # The process's budget is live ("auto": what it can have now, re-derived
+    # at every step boundary); the tensors get what memguard's allocator may
+    # hold, --tensor-budget, within it. At this toy scale the interpreter
+    # and torch are most of the process, so a budget for the tensors alone
+    # is what makes the throttle act.
+    guard = memguard.Guard(budget=args.budget, tensor_budget=args.tensor_budget,
                            min_micro_batch=args.min_micro_batch, divisor_of=divisor,
-                           telemetry=args.telemetry, sampler=memguard.Sampler(budget=None))
+                           telemetry=args.telemetry)
     effective: list[int] = []
     micro_batches: list[int] = []
     queue_ptrs: list[int] = []

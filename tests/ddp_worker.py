@@ -144,18 +144,24 @@ def main() -> None:
     record: dict = {"micro": [], "retries": [], "tried": [], "loss": [], "reasons": []}
     with guard:
         for s in range(a.steps):
+            low = None
             if oom_here:
-                low = None
+                allocator.set_budget(None)
                 if s in a.oom_at:
                     # cached large blocks go back; small ones stay reserved
                     # in their slabs, for the step to reuse
                     allocator.trim()
                     low = 4096 if a.tiny_budget else \
                         memguard.stats()["reserved_bytes.current"] + extra + SMALL
-                allocator.set_budget(low)
             weightless = rank == a.weightless_rank and s == a.weightless_at
+            lowered = [low is None]
 
-            def loss_fn(b, weightless=weightless):
+            def loss_fn(b, weightless=weightless, low=low, lowered=lowered):
+                if not lowered[0]:
+                    # the budget falls inside the step, where no planner can
+                    # see it coming: the step runs out of memory
+                    allocator.set_budget(low)
+                    lowered[0] = True
                 if not a.caller_weights:
                     return loss_of(ddp, teacher, *b)
                 loss, count = masked_loss_of(ddp, *b)

@@ -77,14 +77,31 @@ def test_relieve_is_rate_limited_unless_forced():
     assert [(n, d["reason"]) for n, d in events] == [("relieve", "high"), ("relieve", "oom")]
     assert hooks.stats.relief_seconds >= first["seconds"] + forced["seconds"] > 0
     # no limit: every call runs
-    free = GcHooks(min_interval_s=0)
+    free = GcHooks(min_interval_s=0, max_share=1)
     assert free.relieve() is not None and free.relieve() is not None
     with pytest.raises(ValueError, match="min_interval_s"):
         GcHooks(min_interval_s=-1)
+    with pytest.raises(ValueError, match="max_share must be in .0, 1., not 0"):
+        GcHooks(max_share=0)
+
+
+def test_relieve_is_rate_limited_by_its_own_cost():
+    """At most max_share of the wall time: after a relief that took d
+    seconds, the next waits until d / max_share seconds after it began."""
+    hooks = GcHooks(max_share=0.5)
+    first = hooks.relieve("high")
+    assert first is not None and first["seconds"] > 0
+    # it began about d ago; the next may begin 2 d after it
+    assert not hooks.due() and hooks.relieve("high") is None
+    assert hooks.relieve("high", force=True) is not None   # forced: at once
+    hooks._last_cost = 0.3                   # as if that one had taken 300 ms
+    assert not hooks.due()
+    time.sleep(0.65)                         # 0.3 / 0.5 = 0.6 s after it began
+    assert hooks.due() and hooks.relieve("high") is not None
 
 
 def test_relieve_respects_a_script_that_turned_gc_off():
-    hooks = GcHooks(min_interval_s=0)
+    hooks = GcHooks(max_share=1)
     with CollectCounter() as count:
         done = hooks.relieve()
         assert "gc_collected" in done and count.n == 1  # gc on: relief collects
@@ -110,7 +127,7 @@ def test_system_trim_is_glibc_in_a_plain_process():
         [sys.executable, "-c", "from memguard import _C; print(_C.system_trim())"],
         capture_output=True, text=True, timeout=60, check=True, env=env)
     assert out.stdout.strip() == "glibc"
-    assert GcHooks(min_interval_s=0).relieve()["system_trim"] == _C.system_trim()
+    assert GcHooks(max_share=1).relieve()["system_trim"] == _C.system_trim()
 
 
 def test_relieve_releases_the_arena_cache():
@@ -126,8 +143,11 @@ def test_relieve_releases_the_arena_cache():
         del t
         cached = memguard.stats()["cached_bytes"]
         assert cached >= 48 * MiB
-        hooks = GcHooks(min_interval_s=0)
+        hooks = GcHooks(max_share=1)
         trims = memguard.stats()["num_trims"]
+        # what the caller says the next steps reuse stays cached
+        done = hooks.relieve("high", arena_keep=cached)
+        assert done["arena_released_bytes"] == 0 and memguard.stats()["cached_bytes"] == cached
         done = hooks.relieve("high")
         s = memguard.stats()
         assert s["cached_bytes"] <= cached - 48 * MiB

@@ -20,7 +20,8 @@ from memguard import _C
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "proc"
 BAD = FIXTURES / "bad"
-KINDS = ("status", "meminfo", "vmstat", "psi", "stat", "cgroup", "limit", "cgstat", "cgevents")
+KINDS = ("status", "meminfo", "vmstat", "psi", "stat", "cgroup", "limit", "cgstat", "cgevents",
+         "rollup", "pids")
 KiB = 1024
 U64 = 2**64 - 1
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -97,6 +98,10 @@ EXACT = [
     ("v2/cgroup/user.slice/app.scope/memory.events", "cgevents", 2, {"oom": 1, "oom_kill": 1}),
     ("v1_hybrid/cgroup/memory/training/job42/memory.oom_control", "cgevents", 1,
      {"oom": 2, "oom_kill": 2}),
+    ("tree/proc/4242/smaps_rollup", "rollup", 2, {"private_bytes": (1024 + 51200 + 2048) * KiB}),
+    ("tree/proc/4244/smaps_rollup", "rollup", 2, {"private_bytes": 10240 * KiB}),
+    ("tree/proc/self/task/100/children", "pids", 2, {"pids": [4242, 4243]}),
+    ("tree/proc/self/task/101/children", "pids", 2, {"pids": []}),
     ("v1_parent_limit/cgroup/memory/batch/job7/memory.oom_control", "cgevents", 1,
      {"oom": None, "oom_kill": None}),
 ]
@@ -151,6 +156,11 @@ BAD_WHY = {
     "meminfo.no_memtotal": "MemTotal missing",
     "meminfo.truncated_in_swapfree": "SwapFree malformed",
     "meminfo.zero_memtotal": "MemTotal is zero",
+    "pids.letters": "malformed or cut off",
+    "pids.negative": "malformed or cut off",
+    "pids.too_large": "out of range",
+    "pids.truncated_mid_pid": "malformed or cut off",
+    "pids.zero": "out of range",
     "psi.bad_decimal": 'malformed "some" line',
     "psi.bad_full": 'malformed "full" line',
     "psi.empty": 'no "some" line',
@@ -158,6 +168,11 @@ BAD_WHY = {
     "psi.no_some": 'no "some" line',
     "psi.no_total": 'malformed "some" line',
     "psi.truncated_mid_total": "cut short",
+    "rollup.letters_in_number": "Private_Dirty missing or malformed",
+    "rollup.no_private_clean": "Private_Clean missing",
+    "rollup.no_private_dirty": "Private_Dirty missing",
+    "rollup.overflow": "overflows",
+    "rollup.truncated_in_swappss": "SwapPss missing or malformed",
     "stat.letters_in_minflt": "malformed fault count",
     "stat.no_paren": 'no ")"',
     "stat.short": "fewer than 12 fields",
@@ -207,6 +222,8 @@ PREFIX_FILES = [
     ("v2/cgroup/user.slice/app.scope/memory.high", "limit", 2),
     ("v2/cgroup/user.slice/app.scope/memory.events", "cgevents", 2),
     ("v1_hybrid/cgroup/memory/training/job42/memory.oom_control", "cgevents", 1),
+    ("tree/proc/4242/smaps_rollup", "rollup", 2),
+    ("tree/proc/self/task/100/children", "pids", 2),
 ]
 
 
@@ -221,7 +238,10 @@ def test_every_prefix_parses_honestly_or_raises(rel, kind, version):
             assert str(exc).startswith(f"{kind}: ")
             continue
         for key, value in part.items():
-            assert value is None or value == full.get(key), (n, key, value, full.get(key))
+            want = full.get(key)
+            if isinstance(value, list):   # pids: the first of them, each whole
+                want = want[:len(value)]
+            assert value is None or value == want, (n, key, value, want)
 
 
 # ---- properties ------------------------------------------------------------
@@ -407,6 +427,7 @@ def _process(pages: int, hwm_kb: int, swap_kb: int | None, minflt: int, majflt: 
     rss = pages * PAGE
     return {"rss_bytes": rss, "rss_peak_bytes": max(rss, hwm_kb * KiB),
             "swap_bytes": None if swap_kb is None else swap_kb * KiB,
+            "footprint_bytes": rss + (swap_kb or 0) * KiB,
             "minor_faults": minflt, "major_faults": majflt}
 
 
@@ -483,12 +504,20 @@ SCENARIOS = {
     },
 }
 
+# v1_hybrid with a process tree: two children read, a third listed but gone
+_TREE_KIDS = (1024 + 51200 + 2048 + 10240) * KiB
+SCENARIOS["tree"] = {**SCENARIOS["v1_hybrid"], "children": 2, "children_bytes": _TREE_KIDS,
+                     "footprint_bytes": 25600 * PAGE + 2048 * KiB + _TREE_KIDS}
+
 # Not known on a first sample (no previous one), and no budget was given.
 FIRST_SAMPLE = {
     "seq": 1, "interval_s": None, "minor_faults_per_s": None, "major_faults_per_s": None,
     "swap_in_pages_per_s": None, "swap_out_pages_per_s": None, "psi_some_stall": None,
     "psi_full_stall": None, "cgroup_psi_some_stall": None, "cgroup_psi_full_stall": None,
-    "budget_bytes": None, "budget_used_fraction": None,
+    "budget_bytes": None, "budget_used_fraction": None, "budget_source": None,
+    "user_budget_bytes": None,
+    # the fixture trees list no tasks (but "tree", below)
+    "children": None, "children_bytes": None,
     # nothing pushed CUDA counters to this sampler
     **{f: None for f in _C.sample_fields() if f.startswith("cuda_")},
 }
@@ -528,16 +557,35 @@ def test_second_sample_has_rates_of_unchanged_files(scenario):
 
 
 def test_budget_on_fixture_tree():
-    rss = 38400 * PAGE
-    got = _sampler("nscgroup", budget_bytes=rss * 2).sample_now()
-    assert got["budget_bytes"] == rss * 2
+    foot = 38400 * PAGE + 512 * KiB      # resident and swapped out
+    got = _sampler("nscgroup", budget_bytes=foot * 2).sample_now()
+    assert got["budget_bytes"] == foot * 2 and got["budget_source"] == "user"
     # the arena's cached bytes (left by an earlier test in this process) are
     # memory the process can give back at once: not counted as used
     cached = got.get("arena_cached_bytes") or 0
-    assert got["budget_used_fraction"] == pytest.approx((rss - cached) / (rss * 2))
+    assert got["budget_used_fraction"] == pytest.approx((foot - cached) / (foot * 2))
     assert got["level"] == 0
-    got = _sampler("nscgroup", budget_bytes=(rss - cached) // 2).sample_now()
+    got = _sampler("nscgroup", budget_bytes=(foot - cached) // 2).sample_now()
     assert got["level"] == 3 and got["reasons"] == ("budget",)
+
+
+def test_live_budget_on_fixture_tree():
+    """A live sampler judges against the cgroup's room (its limit less what
+    others use) or the host's, whichever is less; a budget caps it; the same
+    figure comes from live_budget() for a recorded sample."""
+    got = _sampler("tree", live=True).sample_now()
+    resident = 25600 * PAGE + _TREE_KIDS
+    cgroup = 8589934592 - (2684354560 - resident)
+    host = resident + 16384000 * KiB - int(0.08 * 32768000 * KiB)
+    assert got["budget_bytes"] == min(cgroup, host)
+    assert got["budget_source"] == ("cgroup" if cgroup < host else "host")
+    assert got["user_budget_bytes"] is None
+    reserve = int(0.08 * got["mem_total_bytes"])
+    assert _C.live_budget(got, 0, reserve) == (got["budget_bytes"], got["budget_source"])
+    capped = _sampler("tree", live=True, budget_bytes=2**30).sample_now()
+    assert (capped["budget_bytes"], capped["budget_source"]) == (2**30, "user")
+    assert capped["user_budget_bytes"] == 2**30
+    assert _C.live_budget({}, 0, 0) is None
 
 
 # ---- cgroup PSI without a limit; paths that climb out of a namespace -------

@@ -303,7 +303,7 @@ def test_planner_trace_replays_decision_by_decision():
             "and review the diff)")
         assert (s["peak_bytes"] is None) == (not done)
         if done:
-            p.end(micro, s["peak_bytes"])
+            p.end(micro, s["peak_bytes"], s["floor_bytes"])
 
 
 def test_planner_trace_says_what_it_claims():
@@ -319,19 +319,26 @@ def test_planner_trace_says_what_it_claims():
                                      "reason": "oom", "from": 32, "to": 16}
     assert sizes[5:10] == [16] * 5 and why[7] == ("hold", "failed")
     assert why[8] == why[9] == ("hold", "elevated")
-    assert (sizes[10], why[10]) == (8, ("shrink", "high"))
-    assert (sizes[11], why[11]) == (2, ("shrink", "critical"))
-    assert why[12] == ("hold", "at_min")
-    assert steps[13]["expect"][1]["next"] is None and steps[13]["peak_bytes"] is None
-    # 12 calm steps (15-26) before passing the failed size 2, then doubling
-    # every grow_after = 3 steps
-    assert sizes[14:26] == [2] * 12 and all(w == ("hold", "failed") for w in why[17:26])
-    assert sizes[26:36] == [4, 4, 4, 8, 8, 8, 16, 16, 16, 32]
-    assert why[36:41] == [("hold", "at_full")] * 5
-    # budget 8 GiB: growth past 16 is held by the model
-    assert (sizes[41], why[41]) == (16, ("shrink", "high"))
+    # pressure where the model says the size fits the room: held
+    assert (sizes[10], why[10]) == (16, ("hold", "fits"))
+    # the room falls: one decision to the largest size that fits,
+    # (0.9 * 5 GiB - 3 GiB) / 160 MiB = 9.6: 8
+    assert (sizes[11], why[11]) == (8, ("shrink", "room"))
+    assert (sizes[12], why[12]) == (8, ("hold", "fits"))
+    assert (sizes[13], why[13]) == (2, ("shrink", "high"))   # nothing fits: the smallest
+    assert steps[14]["expect"][1]["next"] is None and steps[14]["peak_bytes"] is None
+    # 12 calm steps before passing the failed size 2, then back to the
+    # whole batch at once (the room is 16 GiB again)
+    grown = 16 + opts["retry_after"] - 1           # the 12th calm step
+    assert sizes[15:grown] == [2] * (grown - 15)
+    assert all(w == ("hold", "failed") for w in why[16 + opts["grow_after"] - 1:grown])
+    assert (sizes[grown], why[grown]) == (32, ("grow", "grow"))
+    assert why[grown + 1:40] == [("hold", "at_full")] * (40 - grown - 1)
+    # the room falls to 8 GiB at the full batch: 26 fits, 16 balances two
+    assert (sizes[40], why[40]) == (16, ("shrink", "room"))
+    assert (sizes[41], why[41]) == (16, ("hold", "fits"))
     assert sizes[42:50] == [16] * 8 and set(why[44:50]) == {("hold", "model")}
-    assert (sizes[50], why[50]) == (32, ("grow", "grow"))
+    assert (sizes[50], why[50]) == (32, ("grow", "room_back"))   # +50 %: at once
     assert all(allowed(opts, s) for s in sizes)
 
 
@@ -410,7 +417,8 @@ def test_binding_basics():
     assert p.state()["step"] == 0
     assert p.begin(32, 0) == 32
     assert set(p.state()) == {"micro", "full", "failed", "step", "calm", "calm_since_fail",
-                              "ooms", "decision_step", "action", "reason", "from", "to"}
+                              "ooms", "decision_step", "action", "reason", "from", "to",
+                              "budget_bytes"}
     p.end(32, 3 * GiB)
     assert p.predict(16) == pytest.approx(1.5 * GiB, rel=1e-9)  # proportional, one size
     with pytest.raises(ValueError, match="multiple_of=3, divisor_of=64"):

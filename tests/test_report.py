@@ -62,13 +62,14 @@ budget = memguard.sample().rss_bytes + 1024 * MiB
 sampler = memguard.Sampler(interval_ms=20, budget=budget)
 tb = TensorBoardExporter(tb_dir)
 sampler.on_sample(tb)
-guard = Guard(budget=budget, telemetry=jsonl, sampler=sampler, grow_after=2, retry_after=4)
+# the tensors' own budget: 32 x 20 MiB cannot fit
+guard = Guard(budget=budget, tensor_budget=512 * MiB, telemetry=jsonl, sampler=sampler,
+              grow_after=2, retry_after=4)
 micro = []
 with guard:
     if not allocator.installed():
         print(json.dumps({"skip": guard.allocator_error}))
         sys.exit(0)
-    allocator.set_budget(512 * MiB)   # the arena's own budget: 32 x 20 MiB cannot fit
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         batch = (torch.randn(32, 8, generator=g), torch.randint(0, 2, (32,), generator=g))

@@ -269,7 +269,7 @@ def test_jsonl_export_roundtrip(tmp_path):
     with Sampler(interval_ms=10, export=path) as s:
         time.sleep(0.2)
     meta, samples, events = read_jsonl(path)
-    assert meta["schema"] == "memguard.telemetry" and meta["schema_version"] == 3
+    assert meta["schema"] == "memguard.telemetry" and meta["schema_version"] == 4
     assert meta["fields"] == list(FIELD_NAMES)
     assert [x.seq for x in samples] == [x.seq for x in s.history()]
     assert samples[-1] == s.history()[-1]  # every field survives the trip
@@ -305,7 +305,7 @@ def test_csv_export(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["schema_version", *FIELD_NAMES]
-    assert rows[0]["schema_version"] == "3"
+    assert rows[0]["schema_version"] == "4"
     assert int(rows[1]["rss_bytes"]) == b.rss_bytes
     assert rows[0]["interval_s"] == ""  # None is an empty cell, not 0
     assert rows[1]["level"] == b.level.name

@@ -59,6 +59,7 @@ typedef struct large_hdr {
      * reads, holding the class lock but not the block's. */
     _Atomic uint32_t tag;
     uint32_t sides;
+    uint32_t epoch;            /* step boundary at which it was last listed */
 } large_hdr_t;
 
 #define TAG_FREE 0x80u
@@ -92,7 +93,8 @@ static struct {
     cls_t large[N_CLASSES];    /* free lists of large_hdr_t */
     _Atomic uint64_t allocated, allocated_peak, reserved, reserved_peak;
     _Atomic uint64_t requested, requested_peak, cached, budget, cache_limit;
-    _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed, last_oom;
+    _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed, last_oom, decayed;
+    _Atomic uint32_t epoch;    /* step boundaries counted by mg_arena_decay */
 } A;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -232,6 +234,32 @@ static int commit(char *p, size_t n)
     return 0;
 }
 
+/* Give a cached, resident large block's pages back to the kernel (its
+ * class lock held); returns its size. The header's page stays: the free
+ * list runs through it. It is not always the first: a pointer aligned to
+ * 2 MiB puts the header 2 MiB into its block. */
+static uint64_t release_block(large_hdr_t *h)
+{
+    char *hp = (char *)((uintptr_t)h & ~(uintptr_t)(A.page - 1));
+    char *end = h->block + h->block_size;
+    if (hp > h->block)
+        (void)madvise(h->block, (size_t)(hp - h->block), MADV_DONTNEED);
+    if (hp + A.page < end)
+        (void)madvise(hp + A.page, (size_t)(end - hp - A.page), MADV_DONTNEED);
+    h->released = 1;
+    atomic_fetch_sub(&A.cached, h->block_size);
+    atomic_fetch_sub(&A.reserved, h->block_size);
+    return h->block_size;
+}
+
+static void count_trim(uint64_t freed)
+{
+    if (freed) {
+        atomic_fetch_add(&A.n_trim, 1);
+        atomic_fetch_add(&A.trimmed, freed);
+    }
+}
+
 /* Give cached large blocks back to the kernel until at most keep bytes stay
  * cached. try=1 skips classes whose lock is busy (the allocation path may
  * hold one already). */
@@ -242,29 +270,12 @@ static uint64_t release_cache(uint64_t keep, int try)
         cls_t *k = &A.large[i];
         if (try ? pthread_mutex_trylock(&k->lock) != 0 : pthread_mutex_lock(&k->lock) != 0)
             continue;
-        for (large_hdr_t *h = k->free; h && atomic_load(&A.cached) > keep; h = h->next) {
-            if (h->released)
-                continue;
-            /* The header's page stays: the free list runs through it. It is
-             * not always the first: a pointer aligned to 2 MiB puts the
-             * header 2 MiB into its block. */
-            char *hp = (char *)((uintptr_t)h & ~(uintptr_t)(A.page - 1));
-            char *end = h->block + h->block_size;
-            if (hp > h->block)
-                (void)madvise(h->block, (size_t)(hp - h->block), MADV_DONTNEED);
-            if (hp + A.page < end)
-                (void)madvise(hp + A.page, (size_t)(end - hp - A.page), MADV_DONTNEED);
-            h->released = 1;
-            atomic_fetch_sub(&A.cached, h->block_size);
-            atomic_fetch_sub(&A.reserved, h->block_size);
-            freed += h->block_size;
-        }
+        for (large_hdr_t *h = k->free; h && atomic_load(&A.cached) > keep; h = h->next)
+            if (!h->released)
+                freed += release_block(h);
         pthread_mutex_unlock(&k->lock);
     }
-    if (freed) {
-        atomic_fetch_add(&A.n_trim, 1);
-        atomic_fetch_add(&A.trimmed, freed);
-    }
+    count_trim(freed);
     return freed;
 }
 
@@ -400,6 +411,7 @@ static uint32_t tag_of(unsigned cls, uint32_t depth, int is_free)
 
 static void list_large(cls_t *k, large_hdr_t *h)
 {
+    h->epoch = atomic_load_explicit(&A.epoch, memory_order_relaxed);
     h->next = k->free;
     k->free = h;
     atomic_store_explicit(&h->tag, tag_of(h->cls, atomic_load_explicit(&h->tag,
@@ -670,6 +682,27 @@ void mg_arena_set_cache_limit(uint64_t bytes)
         release_cache(bytes, 0);
 }
 
+int mg_arena_decay(uint32_t age, uint64_t *freed)
+{
+    uint64_t f = 0;
+    if (init_rc == 0) {
+        uint32_t now = atomic_fetch_add(&A.epoch, 1) + 1;
+        for (int i = N_CLASSES - 1; age && i >= 0; i--) {
+            cls_t *k = &A.large[i];
+            pthread_mutex_lock(&k->lock);
+            for (large_hdr_t *h = k->free; h; h = h->next)
+                if (!h->released && now - h->epoch >= age) /* wraps correctly */
+                    f += release_block(h);
+            pthread_mutex_unlock(&k->lock);
+        }
+        count_trim(f);
+        atomic_fetch_add(&A.decayed, f);
+    }
+    if (freed)
+        *freed = f;
+    return 0;
+}
+
 int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed)
 {
     uint64_t f = init_rc == 0 ? release_cache(keep_bytes, 0) : 0;
@@ -700,6 +733,8 @@ int mg_arena_stats(mg_arena_stats_t *o)
     o->num_trims = atomic_load(&A.n_trim);
     o->trimmed_bytes = atomic_load(&A.trimmed);
     o->last_oom_bytes = atomic_load(&A.last_oom);
+    o->decayed_bytes = atomic_load(&A.decayed);
+    o->epoch = atomic_load(&A.epoch);
     return 0;
 }
 

@@ -177,3 +177,44 @@ int mg_parse_budget(const char *text, uint64_t total, uint64_t available, uint64
     *out = v;
     return 0;
 }
+
+/* Keep the least of the candidate budgets, and what set it. */
+static void least(uint64_t v, int src, uint64_t *best, int *best_src)
+{
+    if (*best_src == MG_BUDGET_SRC_NONE || v < *best) {
+        *best = v;
+        *best_src = src;
+    }
+}
+
+int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, uint64_t reserve_bytes,
+                   uint64_t *out, int *source)
+{
+    uint64_t best = 0;
+    int src = MG_BUDGET_SRC_NONE;
+    if (user_bytes)
+        least(user_bytes, MG_BUDGET_SRC_USER, &best, &src);
+    /* resident bytes of the process and its children (theirs are counted
+     * whole: a child's swapped share is small next to what it holds) */
+    uint64_t resident = ((s->have & MG_HAVE_STATUS) ? s->rss_bytes : 0) +
+                        ((s->have & MG_HAVE_CHILDREN) ? s->children_bytes : 0);
+    if ((s->have & MG_HAVE_CGROUP_LIMIT) && s->cgroup_limit_bytes) {
+        uint64_t limit = s->cgroup_limit_bytes;
+        if ((s->have & MG_HAVE_CGROUP_HIGH) && s->cgroup_high_bytes < limit)
+            limit = s->cgroup_high_bytes; /* above memory.high the kernel throttles */
+        uint64_t used = (s->have & MG_HAVE_CGROUP_WS) ? s->cgroup_working_set_bytes
+                                                      : s->cgroup_usage_bytes;
+        uint64_t others = used > resident ? used - resident : 0;
+        least(limit > others ? limit - others : 0, MG_BUDGET_SRC_CGROUP, &best, &src);
+    }
+    if ((s->have & MG_HAVE_MEMAVAIL) && (s->have & MG_HAVE_STATUS)) {
+        uint64_t can = resident + s->mem_available_bytes;
+        least(can > reserve_bytes ? can - reserve_bytes : 0, MG_BUDGET_SRC_HOST, &best, &src);
+    }
+    if (src == MG_BUDGET_SRC_NONE)
+        return ENODATA;
+    *out = best ? best : 1; /* nothing left is still a budget: every byte is over it */
+    if (source)
+        *source = src;
+    return 0;
+}

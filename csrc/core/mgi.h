@@ -74,6 +74,14 @@ int mgi_parse_cgstat(const char *buf, size_t len, int version, mgi_cgstat_t *out
 /* v2 memory.events, or v1 memory.oom_control (version 1). */
 int mgi_parse_cgevents(const char *buf, size_t len, int version, mgi_cgevents_t *out,
                        const char **why);
+/* A child's /proc/PID/smaps_rollup: the bytes it holds alone (its private
+ * pages, and its share of swap). */
+int mgi_parse_rollup(const char *buf, size_t len, uint64_t *private_bytes, const char **why);
+/* A task's "children" file: pids each followed by a blank, appended to
+ * pids[*n] (at most cap in all, none twice). On EBADMSG, those before the
+ * bad one were appended. */
+int mgi_parse_pids(const char *buf, size_t len, uint32_t *pids, size_t cap, size_t *n,
+                   const char **why);
 /* Value of "key <u64>" (or "key: <u64> kB" with scale) lines; ENOENT if absent. */
 int mgi_find_u64(const char *buf, size_t len, const char *key, uint64_t *out);
 
@@ -105,9 +113,13 @@ typedef struct mgi_slow {
     mgi_vmstat_t vm;
     double swap_in_per_s, swap_out_per_s;
     uint64_t cg_limit, cg_high;     /* 0: none */
+    uint64_t cg_own_limit;          /* the cgroup's own limit file as read (0: none) */
     mgi_cgstat_t cgstat;
     mgi_cgevents_t cgevents;
     uint64_t rss_at, cg_usage_at;   /* at the last refresh */
+    int have_tree;                  /* the children were read */
+    uint32_t children;              /* processes below this one */
+    uint64_t children_bytes;        /* their private and swapped bytes */
     uint64_t move_trigger;          /* bytes of movement forcing a refresh */
 } mgi_slow_t;
 
@@ -145,6 +157,15 @@ void mgi_sample_init(mg_sample_t *s);
 void mgi_read_arena(mg_sample_t *s);
 /* Fill the rate and stall fields of *cur from *prev (same sampler). */
 void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur);
+
+/* Processes of a tree that are read at most (the children of the process
+ * and theirs: DataLoader workers). */
+#define MGI_TREE_MAX 64
+
+/* Fault the process's swapped-out pages back in (swapin.c): every readable
+ * mapping of <proc_root>/self/smaps that holds swap. @p swap_bytes gets
+ * what they held. 0 or errno. */
+int mgi_swap_in(const char *proc_root, uint64_t *swap_bytes);
 
 /* ---- util --------------------------------------------------------------- */
 int64_t mgi_clock_ns(int clock_id);

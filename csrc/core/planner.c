@@ -80,15 +80,17 @@ int mg_planner_fit(const mg_planner_t *p, uint64_t x, uint64_t *size)
     return ENOENT;
 }
 
-/* Line through the decayed observations: peak = a + b * size. Falls back to
- * a line through the origin (peak proportional to size, which overestimates
- * larger sizes) when the sizes seen do not spread or the slope is not
- * positive. 0, or ENODATA with nothing observed. */
+/* Line through the decayed observations: peak = a + b * size. While the
+ * sizes seen do not spread (or the slope is not positive), the line through
+ * the mean floor (what the source held as steps began) and the mean peak:
+ * above the truth for larger sizes, and at most the size-independent part
+ * of a step (gradients) below it for smaller ones; without floors, the line
+ * through the origin. 0, or ENODATA with nothing observed. */
 static int model(const mg_planner_t *p, double *a, double *b)
 {
     if (p->sw <= 0.0 || p->sx <= 0.0)
         return ENODATA;
-    double mx = p->sx / p->sw, my = p->sy / p->sw;
+    double mx = p->sx / p->sw, my = p->sy / p->sw, mf = p->sfw > 0.0 ? p->sf / p->sfw : 0.0;
     double var = p->sxx / p->sw - mx * mx;
     if (var > 1e-6 * mx * mx) {
         double slope = (p->sxy / p->sw - mx * my) / var;
@@ -98,8 +100,8 @@ static int model(const mg_planner_t *p, double *a, double *b)
             return 0;
         }
     }
-    *a = 0.0;
-    *b = my / mx;
+    *a = mf > 0.0 && mf < my ? mf : 0.0;
+    *b = (my - *a) / mx;
     return 0;
 }
 
@@ -115,6 +117,10 @@ int mg_planner_predict(const mg_planner_t *p, uint64_t micro, uint64_t *bytes)
 
 static void decide(mg_planner_t *p, int action, int reason, uint64_t to)
 {
+    if (action == MG_PLAN_SHRINK)
+        p->shrunk_room = p->opts.budget_bytes;
+    else if (action == MG_PLAN_GROW)
+        p->shrunk_room = 0;
     p->last.step = p->step;
     p->last.from = p->micro;
     p->last.to = to;
@@ -161,6 +167,28 @@ static int balanced(const mg_planner_t *p, uint64_t target, uint64_t *size)
     return 0;
 }
 
+int mg_planner_room_fit(const mg_planner_t *p, uint64_t *size)
+{
+    const mg_planner_opts_t *o = &p->opts;
+    double a, b;
+    if (!o->budget_bytes || model(p, &a, &b) || b <= 0.0)
+        return ENODATA;
+    double room = (double)o->budget_bytes * (1.0 - o->margin) - a;
+    double x = room <= 0.0 ? 0.0 : room / b;
+    uint64_t s;
+    if (x >= 1.8e19)
+        x = 1.8e19;
+    if (balanced(p, (uint64_t)x, &s))
+        s = 0; /* not even the smallest allowed size fits */
+    *size = s;
+    return 0;
+}
+
+void mg_planner_set_budget(mg_planner_t *p, uint64_t budget_bytes)
+{
+    p->opts.budget_bytes = budget_bytes;
+}
+
 /* Shrink towards @p target; 0, or ENOMEM when nothing smaller is allowed. */
 static int shrink(mg_planner_t *p, uint64_t from, uint64_t target, int reason)
 {
@@ -175,33 +203,67 @@ static int shrink(mg_planner_t *p, uint64_t from, uint64_t target, int reason)
     return 0;
 }
 
+/* The room rose by a quarter since the last shrink: growth need not wait
+ * for calm steps, as a shrink does not when the room falls. 1 when it grew
+ * to the largest size that fits (never to one that failed recently). */
+static int grow_room_back(mg_planner_t *p)
+{
+    uint64_t fits, s;
+    if (!p->shrunk_room || !p->opts.budget_bytes ||
+        (double)p->opts.budget_bytes < 1.25 * (double)p->shrunk_room ||
+        mg_planner_room_fit(p, &fits) != 0)
+        return 0;
+    if (p->failed && fits >= p->failed)
+        fits = p->failed - 1;
+    if (balanced(p, fits, &s) != 0 || s <= p->micro)
+        return 0;
+    decide(p, MG_PLAN_GROW, MG_PLAN_R_ROOM_BACK, s);
+    return 1;
+}
+
+/* Calm for grow_after steps: to the largest size the model says fits the
+ * room (several doublings at once), or the next doubling without a model;
+ * never to a size that failed recently. */
 static void grow(mg_planner_t *p)
 {
-    const mg_planner_opts_t *o = &p->opts;
     int limit = MG_PLAN_R_GROW;
-    uint64_t target = p->micro > p->full / 2 ? p->full : 2 * p->micro, s;
-    double a, b;
+    uint64_t target = p->micro > p->full / 2 ? p->full : 2 * p->micro, s, fits;
 
-    /* sizes that divide divisor_of can lie more than twice apart (9: 1, 3,
-     * 9): aim at least at the next one up, or growth stops for good */
-    if (mg_planner_fit(p, target, &s) || s <= p->micro)
+    if (mg_planner_room_fit(p, &fits) == 0) {
+        target = fits;
+        if (fits <= p->micro)
+            limit = MG_PLAN_R_MODEL;
+    } else if (mg_planner_fit(p, target, &s) || s <= p->micro) {
+        /* sizes that divide divisor_of can lie more than twice apart (9: 1,
+         * 3, 9): aim at least at the next one up, or growth stops for good */
         target = next_up(p, p->micro);
+    }
     if (p->failed && target >= p->failed) {
         target = p->failed - 1;
         limit = MG_PLAN_R_FAILED;
-    }
-    if (o->budget_bytes && model(p, &a, &b) == 0) {
-        double room = (double)o->budget_bytes * (1.0 - o->margin) - a;
-        double x = room <= 0.0 ? 0.0 : room / b;
-        if (x < (double)target) {
-            target = (uint64_t)x;
-            limit = MG_PLAN_R_MODEL;
-        }
     }
     if (balanced(p, target, &s) == 0 && s > p->micro)
         decide(p, MG_PLAN_GROW, MG_PLAN_R_GROW, s);
     else
         decide(p, MG_PLAN_HOLD, limit, p->micro);
+}
+
+/* Pressure at HIGH or above: the size that fits the room where the model
+ * knows (hold when this one does), else a half, or a quarter at CRITICAL. */
+static void under_pressure(mg_planner_t *p, int level)
+{
+    int crit = level >= MG_LEVEL_CRITICAL;
+    int reason = crit ? MG_PLAN_R_CRITICAL : MG_PLAN_R_HIGH;
+    uint64_t fits;
+    p->calm = 0;
+    if (mg_planner_room_fit(p, &fits) != 0) {
+        fits = p->micro / (crit ? 4 : 2);
+    } else if (fits >= p->micro) {
+        decide(p, MG_PLAN_HOLD, MG_PLAN_R_FITS, p->micro);
+        return;
+    }
+    if (shrink(p, p->micro, fits, reason))
+        decide(p, MG_PLAN_HOLD, MG_PLAN_R_AT_MIN, p->micro);
 }
 
 int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro)
@@ -221,16 +283,20 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         p->micro = mg_planner_fit(p, p->micro, &s) == 0 ? s : next_up(p, p->micro);
     }
 
+    uint64_t fits;
     if (p->step == 0 && (level < MG_LEVEL_HIGH || p->opts.fixed)) {
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_START, p->micro);
     } else if (p->opts.fixed) {
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_FIXED, p->micro);
     } else if (level >= MG_LEVEL_HIGH) {
-        int crit = level >= MG_LEVEL_CRITICAL;
+        under_pressure(p, level);
+    } else if (mg_planner_room_fit(p, &fits) == 0 && fits < p->micro) {
+        /* the room fell under this size's predicted peak, pressure or not */
         p->calm = 0;
-        if (shrink(p, p->micro, p->micro / (crit ? 4 : 2),
-                   crit ? MG_PLAN_R_CRITICAL : MG_PLAN_R_HIGH))
+        if (shrink(p, p->micro, fits, MG_PLAN_R_ROOM))
             decide(p, MG_PLAN_HOLD, MG_PLAN_R_AT_MIN, p->micro);
+    } else if (p->micro < p->full && grow_room_back(p)) {
+        /* decided */
     } else if (level == MG_LEVEL_ELEVATED) {
         p->calm = 0;
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_ELEVATED, p->micro);
@@ -259,7 +325,12 @@ int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next)
     p->calm_since_fail = 0;
     if (micro && (p->failed == 0 || micro < p->failed))
         p->failed = micro;
-    int rc = shrink(p, micro, micro / 2, MG_PLAN_R_OOM);
+    /* the model mispredicted (or the room fell during the step): half at
+     * least, less where the room says so */
+    uint64_t target = micro / 2, fits;
+    if (mg_planner_room_fit(p, &fits) == 0 && fits < target)
+        target = fits;
+    int rc = shrink(p, micro, target, MG_PLAN_R_OOM);
     if (rc == 0) {
         p->last.step = p->step ? p->step - 1 : 0; /* the step being redone */
         *next = p->micro;
@@ -284,11 +355,17 @@ int mg_planner_agree(mg_planner_t *p, uint64_t micro, uint64_t failed)
     return 0;
 }
 
-void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes)
+void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes, uint64_t floor_bytes)
 {
     if (micro == 0 || peak_bytes == 0)
         return;
     double d = p->opts.decay, x = (double)micro, y = (double)peak_bytes;
+    p->sf *= d;
+    p->sfw *= d;
+    if (floor_bytes && floor_bytes < peak_bytes) { /* else unknown: no information */
+        p->sf += (double)floor_bytes;
+        p->sfw += 1.0;
+    }
     p->sw = p->sw * d + 1.0;
     p->sx = p->sx * d + x;
     p->sy = p->sy * d + y;
@@ -306,7 +383,7 @@ const char *mg_plan_reason_name(int reason)
 {
     static const char *const names[MG_PLAN_R_COUNT] = {
         "start", "calm", "elevated", "high", "critical", "oom", "at_min",
-        "at_full", "grow", "model", "failed", "fixed", "peer",
+        "at_full", "grow", "model", "failed", "fixed", "peer", "room", "fits", "room_back",
     };
     return reason >= 0 && reason < MG_PLAN_R_COUNT ? names[reason] : "?";
 }

@@ -110,13 +110,15 @@ int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
     int raw = MG_LEVEL_OK;
     uint32_t reasons = 0;
 
+    /* memguard's own cached blocks are released before any allocation would
+     * fail, at every step boundary they are not reused, and under pressure:
+     * they are room, not use */
+    uint64_t cached = (s->have & MG_HAVE_ARENA) ? s->arena_cached_bytes : 0;
     if (s->budget_bytes && (s->have & MG_HAVE_STATUS)) {
         s->have |= MG_HAVE_BUDGET;
-        /* the arena's cached blocks are released before any allocation
-         * would fail (and on HIGH): they do not press */
-        uint64_t cached = (s->have & MG_HAVE_ARENA) ? s->arena_cached_bytes : 0;
-        uint64_t rss = s->rss_bytes > cached ? s->rss_bytes - cached : 0;
-        s->budget_used_fraction = (double)rss / (double)s->budget_bytes;
+        uint64_t used = (s->have & MG_HAVE_FOOTPRINT) ? s->footprint_bytes : s->rss_bytes;
+        used = used > cached ? used - cached : 0;
+        s->budget_used_fraction = (double)used / (double)s->budget_bytes;
         consider(above(s->budget_used_fraction, o->budget), MG_REASON_BUDGET, &raw, &reasons);
     }
 
@@ -130,11 +132,15 @@ int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
     }
 
     double head = NAN;
-    if ((s->have & MG_HAVE_MEMAVAIL) && s->mem_total_bytes)
-        head = (double)s->mem_available_bytes / (double)s->mem_total_bytes;
+    if ((s->have & MG_HAVE_MEMAVAIL) && s->mem_total_bytes) {
+        uint64_t free_b = s->mem_available_bytes + cached;
+        head = (double)(free_b < s->mem_total_bytes ? free_b : s->mem_total_bytes) /
+               (double)s->mem_total_bytes;
+    }
     if ((s->have & MG_HAVE_CGROUP_LIMIT) && s->cgroup_limit_bytes) {
         uint64_t used = (s->have & MG_HAVE_CGROUP_WS) ? s->cgroup_working_set_bytes
                                                       : s->cgroup_usage_bytes;
+        used = used > cached ? used - cached : 0;
         double cg = used >= s->cgroup_limit_bytes
                         ? 0.0
                         : (double)(s->cgroup_limit_bytes - used) / (double)s->cgroup_limit_bytes;

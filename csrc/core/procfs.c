@@ -172,6 +172,55 @@ int mgi_parse_meminfo(const char *buf, size_t len, mgi_meminfo_t *out, const cha
     return 0;
 }
 
+int mgi_parse_rollup(const char *buf, size_t len, uint64_t *private_bytes, const char **why)
+{
+    uint64_t clean, dirty, swap;
+    /* SwapPss is in every smaps_rollup (both since Linux 4.14) */
+    if (need(buf, len, "Private_Clean", &clean, why, "Private_Clean missing or malformed") ||
+        need(buf, len, "Private_Dirty", &dirty, why, "Private_Dirty missing or malformed") ||
+        need(buf, len, "SwapPss", &swap, why, "SwapPss missing or malformed"))
+        return EBADMSG;
+    if (clean > UINT64_MAX - dirty || clean + dirty > UINT64_MAX - swap) {
+        *why = "Private_Clean + Private_Dirty + SwapPss overflows";
+        return EBADMSG;
+    }
+    *private_bytes = clean + dirty + swap;
+    return 0;
+}
+
+int mgi_parse_pids(const char *buf, size_t len, uint32_t *pids, size_t cap, size_t *n,
+                   const char **why)
+{
+    const char *p = buf, *end = buf + len;
+    size_t k = *n;
+    for (;;) {
+        while (p < end && (*p == ' ' || *p == '\n'))
+            p++;
+        if (p == end)
+            break;
+        uint64_t v;
+        /* the kernel ends every pid with a blank: one at the very end may
+         * be the start of a longer one */
+        if (parse_u64(&p, end, &v) || p == end || (*p != ' ' && *p != '\n')) {
+            *n = k;
+            *why = "a pid is malformed or cut off";
+            return EBADMSG;
+        }
+        if (v == 0 || v > 0x3fffffff) { /* above the kernel's PID_MAX_LIMIT */
+            *n = k;
+            *why = "a pid is out of range";
+            return EBADMSG;
+        }
+        size_t i = 0;
+        while (i < k && pids[i] != (uint32_t)v)
+            i++;
+        if (i == k && k < cap)
+            pids[k++] = (uint32_t)v;
+    }
+    *n = k;
+    return 0;
+}
+
 int mgi_parse_vmstat(const char *buf, size_t len, mgi_vmstat_t *out, const char **why)
 {
     memset(out, 0, sizeof(*out));

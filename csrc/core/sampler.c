@@ -37,7 +37,8 @@ struct mg_sampler {
     int have_prev;
     mg_pressure_t pressure;
 
-    _Atomic uint64_t budget_bytes;
+    _Atomic uint64_t budget_bytes;   /* asked for; 0: none */
+    _Atomic int live;                /* judge against mg_budget_live() */
     _Atomic int notify;              /* write sample_fd after each sample */
     clockid_t cpu_clock;             /* the running thread's CPU clock (op_lock) */
     _Atomic uint64_t cpu_ns_before;  /* thread CPU time of finished runs */
@@ -191,6 +192,7 @@ int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
         return EINVAL;
     }
     atomic_init(&s->budget_bytes, c.budget_bytes);
+    atomic_init(&s->live, c.live != 0);
     atomic_init(&s->notify, 0);
     atomic_init(&s->have_cuda, 0);
     atomic_init(&s->cpu_ns_before, 0);
@@ -263,6 +265,25 @@ int mg_sampler_push_cuda(mg_sampler_t *s, const mg_cuda_counters_t *c, int *raw_
     return 0;
 }
 
+/* The budget a sample is judged against: the one asked for, or the live
+ * one capped by it (the reserve on the host is what the pressure model
+ * calls HIGH headroom, so living within it never reads HIGH by itself). */
+static void judge_budget(mg_sampler_t *s, mg_sample_t *cur)
+{
+    uint64_t user = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed), b;
+    int src = MG_BUDGET_SRC_NONE;
+    cur->user_budget_bytes = user;
+    if (atomic_load_explicit(&s->live, memory_order_relaxed)) {
+        uint64_t reserve = (uint64_t)(s->popts.headroom[1] * (double)cur->mem_total_bytes);
+        if (mg_budget_live(cur, user, reserve, &b, &src) == 0)
+            user = b;
+    } else if (user) {
+        src = MG_BUDGET_SRC_USER;
+    }
+    cur->budget_bytes = user;
+    cur->budget_source = src;
+}
+
 /* Read, derive, judge and publish one sample. Runs on the sampler thread or,
  * when it is not running, on a caller holding op_lock. */
 static void take_sample(mg_sampler_t *s, mg_sample_t *out)
@@ -282,7 +303,7 @@ static void take_sample(mg_sampler_t *s, mg_sample_t *out)
     }
     if (s->have_prev)
         mgi_sample_deltas(&s->prev, &cur);
-    cur.budget_bytes = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed);
+    judge_budget(s, &cur);
     int changed = mg_pressure_update(&s->pressure, &cur);
     cur.cost_ns = mgi_clock_ns(CLOCK_MONOTONIC) - cur.mono_ns;
 
@@ -487,6 +508,11 @@ int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out)
 void mg_sampler_set_budget(mg_sampler_t *s, uint64_t budget_bytes)
 {
     atomic_store(&s->budget_bytes, budget_bytes);
+}
+
+void mg_sampler_set_live(mg_sampler_t *s, int live)
+{
+    atomic_store(&s->live, live != 0);
 }
 
 void mg_sampler_destroy(mg_sampler_t *s)

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -296,6 +297,77 @@ static void read_fast(mgi_sources_t *src, mg_sample_t *s, char *buf)
         read_cg_psi(src, s, buf);
 }
 
+/* A directory entry as getdents64 writes it: read into a stack buffer, as
+ * opendir would allocate. */
+struct mgi_dirent64 {
+    uint64_t d_ino;
+    int64_t d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+};
+
+/* Append the children of every task of process @p pid ("self" or a number)
+ * to pids[] (at most MGI_TREE_MAX, none twice). 0 when its tasks could be
+ * listed. */
+static int add_children(const mgi_sources_t *src, const char *pid, uint32_t *pids, size_t *n,
+                         char *buf)
+{
+    char path[MGI_PATH_MAX], task[MGI_PATH_MAX];
+    _Alignas(8) char dents[2048];
+    size_t len;
+    if (snprintf(task, sizeof(task), "%s/%s/task", src->proc_root, pid) >= (int)sizeof(task))
+        return ENAMETOOLONG;
+    int fd = open(task, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return errno;
+    long got;
+    while ((got = syscall(SYS_getdents64, fd, dents, sizeof(dents))) > 0) {
+        for (long off = 0; off < got;) {
+            struct mgi_dirent64 *d = (struct mgi_dirent64 *)(dents + off);
+            off += d->d_reclen;
+            if (d->d_name[0] == '.' ||
+                snprintf(path, sizeof(path), "%s/%s/children", task, d->d_name) >=
+                    (int)sizeof(path) ||
+                mgi_read_path(path, buf, MGI_READ_BUF, &len) != 0)
+                continue;
+            const char *why;
+            (void)mgi_parse_pids(buf, len, pids, MGI_TREE_MAX, n, &why); /* adds what it could */
+        }
+    }
+    close(fd);
+    return 0;
+}
+
+/* The process tree below this one (DataLoader workers and theirs): how many
+ * processes, and the bytes they hold alone (private pages and their share
+ * of swap). What they share with this process is in its RSS already. */
+static void read_tree(mgi_sources_t *src, char *buf)
+{
+    mgi_slow_t *c = &src->slow;
+    uint32_t pids[MGI_TREE_MAX];
+    char pid[16], path[MGI_PATH_MAX];
+    size_t n = 0, len;
+    const char *why;
+    c->have_tree = add_children(src, "self", pids, &n, buf) == 0;
+    for (size_t i = 0; i < n; i++) { /* n grows as grandchildren are found */
+        snprintf(pid, sizeof(pid), "%u", pids[i]);
+        (void)add_children(src, pid, pids, &n, buf);
+    }
+    c->children = 0;
+    c->children_bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t v;
+        if (snprintf(path, sizeof(path), "%s/%u/smaps_rollup", src->proc_root, pids[i]) >=
+                (int)sizeof(path) ||
+            mgi_read_path(path, buf, MGI_READ_BUF, &len) != 0 ||
+            mgi_parse_rollup(buf, len, &v, &why) != 0)
+            continue; /* gone, or not ours to read */
+        c->children++;
+        c->children_bytes += v;
+    }
+}
+
 /* Re-read the slow sources into src's cache; swap rates span the time since
  * the last refresh. */
 static void refresh_slow(mgi_sources_t *src, mg_sample_t *s, char *buf)
@@ -334,10 +406,11 @@ static void refresh_slow(mgi_sources_t *src, mg_sample_t *s, char *buf)
     c->cg_usage = s->cgroup_usage_bytes;
     if (src->cg_version == 2) /* limits above ours can change too */
         src->cg_parent_limit = v2_parent_limit(src->cg_mount, src->cg_dir);
+    c->cg_own_limit = 0;
     if (src->cg_version) {
         if (rd(src, MGI_SRC_CG_LIMIT, buf, &len) == 0 &&
             mgi_parse_limit(buf, len, &v, &unlimited, &why) == 0 && real_limit(v, unlimited))
-            c->cg_limit = v;
+            c->cg_limit = c->cg_own_limit = v;
         if (src->cg_parent_limit && (c->cg_limit == 0 || src->cg_parent_limit < c->cg_limit))
             c->cg_limit = src->cg_parent_limit;
         c->have_cgstat = rd(src, MGI_SRC_CG_STAT, buf, &len) == 0 &&
@@ -352,6 +425,8 @@ static void refresh_slow(mgi_sources_t *src, mg_sample_t *s, char *buf)
                            mgi_parse_cgevents(buf, len, src->cg_version, &c->cgevents, &why) == 0 &&
                            (src->cg_version == 2 || c->cgevents.have_oom_kill);
     }
+
+    read_tree(src, buf);
 
     /* Where the process's own growth would eat the headroom, re-read early. */
     uint64_t head = UINT64_MAX;
@@ -393,6 +468,16 @@ static void fill_slow(const mgi_sources_t *src, mg_sample_t *s)
             s->have |= MG_HAVE_SWAP;
             s->swap_bytes = c->status.swap_bytes;
         }
+    }
+    if (s->have & MG_HAVE_STATUS) {
+        s->have |= MG_HAVE_FOOTPRINT;
+        s->footprint_bytes = s->rss_bytes + ((s->have & MG_HAVE_SWAP) ? s->swap_bytes : 0);
+    }
+    if (c->have_tree) {
+        s->have |= MG_HAVE_CHILDREN;
+        s->children = c->children;
+        s->children_bytes = c->children_bytes;
+        s->footprint_bytes += c->children_bytes;
     }
     /* the peak is never below what we see now or what getrusage saw */
     if (src->maxrss_bytes > s->rss_peak_bytes)
@@ -447,10 +532,26 @@ static void fill_slow(const mgi_sources_t *src, mg_sample_t *s)
     }
 }
 
+/* Whether the cgroup's own limit differs from the one last refreshed: a
+ * limit lowered (or raised) mid-run is met within one sample, not one slow
+ * period. One pread of a small file. */
+static int limit_moved(mgi_sources_t *src, char *buf)
+{
+    size_t len;
+    const char *why;
+    uint64_t v;
+    int unlimited;
+    if (!src->cg_version || src->slow_at_ns == 0 || rd(src, MGI_SRC_CG_LIMIT, buf, &len) ||
+        mgi_parse_limit(buf, len, &v, &unlimited, &why))
+        return 0;
+    return (real_limit(v, unlimited) ? v : 0) != src->slow.cg_own_limit;
+}
+
 void mgi_sources_read(mgi_sources_t *src, mg_sample_t *s, int urgent)
 {
     char buf[MGI_READ_BUF];
     read_fast(src, s, buf);
+    urgent |= limit_moved(src, buf);
     if (slow_due(src, s, urgent))
         refresh_slow(src, s, buf);
     fill_slow(src, s);

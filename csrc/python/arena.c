@@ -69,7 +69,7 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
     mg_arena_stats_t s;
     mg_arena_stats(&s);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "allocated_bytes.current", (unsigned long long)s.allocated_current,
         "allocated_bytes.peak", (unsigned long long)s.allocated_peak,
         "reserved_bytes.current", (unsigned long long)s.reserved_current,
@@ -88,7 +88,9 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
         "num_trims", (unsigned long long)s.num_trims,
         "trimmed_bytes", (unsigned long long)s.trimmed_bytes,
         "reserve_bytes", (unsigned long long)s.reserve_bytes,
-        "last_oom_bytes", (unsigned long long)s.last_oom_bytes);
+        "last_oom_bytes", (unsigned long long)s.last_oom_bytes,
+        "decayed_bytes", (unsigned long long)s.decayed_bytes,
+        "epoch", (unsigned long long)s.epoch);
 }
 
 /* Set one of the arena's byte limits from a Python int (0: none). */
@@ -131,6 +133,19 @@ PyObject *mgpy_arena_trim(PyObject *m, PyObject *args)
     return PyLong_FromUnsignedLongLong(freed);
 }
 
+PyObject *mgpy_arena_decay(PyObject *m, PyObject *args)
+{
+    (void)m;
+    unsigned int age;
+    uint64_t freed = 0;
+    if (!PyArg_ParseTuple(args, "I", &age))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mg_arena_decay(age, &freed);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(freed);
+}
+
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused)
 {
     (void)m;
@@ -151,4 +166,20 @@ PyObject *mgpy_system_trim(PyObject *m, PyObject *unused)
     if (rc && rc != ENOTSUP)
         return mgpy_raise(rc, "jemalloc's purge failed");
     return PyUnicode_FromString(how);
+}
+
+PyObject *mgpy_swap_in(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    char root[MGI_PATH_MAX];
+    uint64_t bytes = 0;
+    int rc;
+    mgi_option_text(MGI_OPT_PROC_ROOT, root, sizeof(root));
+    Py_BEGIN_ALLOW_THREADS
+    rc = mgi_swap_in(root, &bytes);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return mgpy_raise(rc, "cannot read this process's smaps");
+    return PyLong_FromUnsignedLongLong(bytes);
 }

@@ -6,7 +6,7 @@
 
 #include "mgpy.h"
 
-typedef enum { F_U64, F_F64, F_I32, F_I64 } ftype_t;
+typedef enum { F_U64, F_F64, F_I32, F_I64, F_U32 } ftype_t;
 
 typedef struct field {
     const char *name;
@@ -19,6 +19,7 @@ typedef struct field {
 #define D(f, h) {#f, offsetof(mg_sample_t, f), F_F64, h}
 #define I(f, h) {#f, offsetof(mg_sample_t, f), F_I32, h}
 #define I64(f, h) {#f, offsetof(mg_sample_t, f), F_I64, h}
+#define U32(f, h) {#f, offsetof(mg_sample_t, f), F_U32, h}
 
 static const field_t fields[] = {
     U(seq, 0),
@@ -57,11 +58,17 @@ static const field_t fields[] = {
     U(cuda_free_bytes, MG_HAVE_CUDA), U(cuda_total_bytes, MG_HAVE_CUDA),
     U(cuda_budget_bytes, MG_HAVE_CUDA), I64(cuda_age_ns, MG_HAVE_CUDA),
     D(cuda_budget_used_fraction, 0),
+    U(footprint_bytes, MG_HAVE_FOOTPRINT),
+    U(children_bytes, MG_HAVE_CHILDREN), U32(children, MG_HAVE_CHILDREN),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 
 static const char *const reason_names[] = {"budget", "headroom", "psi", "swap", "faults",
                                            "cuda_retries"};
+
+/* MG_BUDGET_SRC_* by name; NONE is None. */
+static const char *const budget_sources[] = {NULL, "user", "cgroup", "host"};
+#define N_BUDGET_SOURCES (sizeof(budget_sources) / sizeof(budget_sources[0]))
 
 static PyObject *field_value(const mg_sample_t *s, const field_t *f)
 {
@@ -75,6 +82,8 @@ static PyObject *field_value(const mg_sample_t *s, const field_t *f)
         return PyLong_FromLong(*(const int32_t *)p);
     case F_I64:
         return PyLong_FromLongLong(*(const int64_t *)p);
+    case F_U32:
+        return PyLong_FromUnsignedLong(*(const uint32_t *)p);
     default: {
         double v = *(const double *)p;
         if (isnan(v))
@@ -102,6 +111,14 @@ PyObject *mgpy_sample_to_dict(const mg_sample_t *s)
         set_item(d, "interval_s", s->interval_ns ? PyFloat_FromDouble((double)s->interval_ns / 1e9)
                                                  : Py_NewRef(Py_None)) ||
         set_item(d, "sample_cost_us", PyFloat_FromDouble((double)s->cost_ns / 1e3)))
+        goto fail;
+    int bs = s->budget_source;
+    if (set_item(d, "budget_source", bs > 0 && (size_t)bs < N_BUDGET_SOURCES
+                                         ? PyUnicode_FromString(budget_sources[bs])
+                                         : Py_NewRef(Py_None)) ||
+        set_item(d, "user_budget_bytes", s->user_budget_bytes
+                                             ? PyLong_FromUnsignedLongLong(s->user_budget_bytes)
+                                             : Py_NewRef(Py_None)))
         goto fail;
     for (size_t i = 0; i < N_FIELDS; i++)
         if (set_item(d, fields[i].name, field_value(s, &fields[i])))
@@ -167,6 +184,11 @@ int mgpy_sample_from_dict(PyObject *d, mg_sample_t *s)
             if (x == -1 && PyErr_Occurred())
                 return -1;
             *(int64_t *)p = (int64_t)x;
+        } else if (f->type == F_U32) {
+            unsigned long x = PyLong_AsUnsignedLong(v);
+            if (x == (unsigned long)-1 && PyErr_Occurred())
+                return -1;
+            *(uint32_t *)p = (uint32_t)x;
         } else {
             unsigned long long x = PyLong_AsUnsignedLongLong(v);
             if (x == (unsigned long long)-1 && PyErr_Occurred())
@@ -175,17 +197,35 @@ int mgpy_sample_from_dict(PyObject *d, mg_sample_t *s)
         }
         s->have |= f->have;
     }
+    PyObject *ub = PyDict_GetItemString(d, "user_budget_bytes");
+    if (ub && ub != Py_None) {
+        unsigned long long x = PyLong_AsUnsignedLongLong(ub);
+        if (x == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        s->user_budget_bytes = x;
+    }
+    PyObject *src = PyDict_GetItemString(d, "budget_source");
+    if (src && src != Py_None) {
+        const char *name = PyUnicode_AsUTF8(src);
+        if (!name)
+            return -1;
+        for (size_t i = 1; i < N_BUDGET_SOURCES; i++)
+            if (strcmp(name, budget_sources[i]) == 0)
+                s->budget_source = (int32_t)i;
+    }
     return 0;
 }
 
 PyObject *mgpy_sample_fields(void)
 {
-    PyObject *t = PyTuple_New((Py_ssize_t)N_FIELDS + 4);
+    const char *extra[] = {"t", "interval_s", "sample_cost_us", "reasons", "budget_source",
+                           "user_budget_bytes"};
+    const size_t n_extra = sizeof(extra) / sizeof(extra[0]);
+    PyObject *t = PyTuple_New((Py_ssize_t)(N_FIELDS + n_extra));
     if (!t)
         return NULL;
-    const char *extra[] = {"t", "interval_s", "sample_cost_us", "reasons"};
-    for (size_t i = 0; i < N_FIELDS + 4; i++) {
-        PyObject *name = PyUnicode_FromString(i < 4 ? extra[i] : fields[i - 4].name);
+    for (size_t i = 0; i < N_FIELDS + n_extra; i++) {
+        PyObject *name = PyUnicode_FromString(i < n_extra ? extra[i] : fields[i - n_extra].name);
         if (!name) {
             Py_DECREF(t);
             return NULL;

@@ -46,6 +46,9 @@ PyObject *mgpy_arena_set_budget(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_trim(PyObject *m, PyObject *args);
 PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused);
+PyObject *mgpy_arena_decay(PyObject *m, PyObject *args);
+PyObject *mgpy_swap_in(PyObject *m, PyObject *unused);
+PyObject *mgpy_live_budget(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mgpy_system_trim(PyObject *m, PyObject *unused);
 
 /* cuda.c */

@@ -18,6 +18,9 @@ static PyMethodDef methods[] = {
     {"parse", (PyCFunction)(void (*)(void))mgpy_parse, METH_VARARGS | METH_KEYWORDS,
      "parse(kind, data, version=2) -> dict: run one pure /proc or cgroup parser."},
     {"parse_size", mgpy_parse_size, METH_O, "parse_size(text) -> bytes"},
+    {"live_budget", (PyCFunction)(void (*)(void))mgpy_live_budget, METH_VARARGS | METH_KEYWORDS,
+     "live_budget(sample, user=0, reserve=0) -> (bytes, 'user'|'cgroup'|'host'), or None "
+     "when neither a budget nor a reading says"},
     {"parse_budget", (PyCFunction)(void (*)(void))mgpy_parse_budget,
      METH_VARARGS | METH_KEYWORDS, "parse_budget(text, total, available=0) -> bytes"},
     {"option_get", mgpy_option_get, METH_O, "option_get(name) -> text"},
@@ -36,6 +39,12 @@ static PyMethodDef methods[] = {
     {"arena_trim", mgpy_arena_trim, METH_VARARGS,
      "arena_trim(keep=0) -> bytes given back to the kernel from the cache."},
     {"arena_reset_peaks", mgpy_arena_reset_peaks, METH_NOARGS, "Peaks := current values."},
+    {"swap_in", mgpy_swap_in, METH_NOARGS,
+     "swap_in() -> bytes the mappings held in swap: fault this process's swapped-out "
+     "pages back in."},
+    {"arena_decay", mgpy_arena_decay, METH_VARARGS,
+     "arena_decay(age) -> bytes released: a step boundary; cached blocks not reused at the "
+     "last age boundaries go back to the kernel."},
     {"arena_set_cache_limit", mgpy_arena_set_cache_limit, METH_O,
      "Most bytes of freed large blocks kept cached (0: no limit)."},
     {"cuda_init", (PyCFunction)(void (*)(void))mgpy_cuda_init, METH_VARARGS | METH_KEYWORDS,

@@ -105,6 +105,19 @@ PyObject *mgpy_parse(PyObject *m, PyObject *args, PyObject *kw)
             /* v1 counts kills only: without the oom_kill line there is no count */
             err = set_opt_u(d, "oom", version == 2 || x.have_oom_kill, x.oom) ||
                   set_opt_u(d, "oom_kill", x.have_oom_kill, x.oom_kill);
+    } else if (strcmp(kind, "rollup") == 0) {
+        uint64_t v;
+        if (!(rc = mgi_parse_rollup(b, len, &v, &why)))
+            err = set_u(d, "private_bytes", v);
+    } else if (strcmp(kind, "pids") == 0) {
+        uint32_t pids[MGI_TREE_MAX];
+        size_t n = 0;
+        if (!(rc = mgi_parse_pids(b, len, pids, MGI_TREE_MAX, &n, &why))) {
+            PyObject *list = PyList_New((Py_ssize_t)n);
+            for (size_t i = 0; list && i < n; i++)
+                PyList_SET_ITEM(list, (Py_ssize_t)i, PyLong_FromUnsignedLong(pids[i]));
+            err = set_obj(d, "pids", list);
+        }
     } else {
         PyErr_Format(PyExc_ValueError, "unknown parser kind %R", PyTuple_GET_ITEM(args, 0));
         Py_CLEAR(d);
@@ -180,4 +193,24 @@ PyObject *mgpy_parse_budget(PyObject *m, PyObject *args, PyObject *kw)
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(v);
+}
+
+/* live_budget(sample, user=0, reserve=0) -> (bytes, source) or None */
+PyObject *mgpy_live_budget(PyObject *m, PyObject *args, PyObject *kw)
+{
+    (void)m;
+    static char *kwlist[] = {"sample", "user", "reserve", NULL};
+    static const char *const names[] = {"none", "user", "cgroup", "host"};
+    PyObject *d;
+    unsigned long long user = 0, reserve = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|KK", kwlist, &d, &user, &reserve))
+        return NULL;
+    mg_sample_t s;
+    if (mgpy_sample_from_dict(d, &s))
+        return NULL;
+    uint64_t v;
+    int src = 0;
+    if (mg_budget_live(&s, user, reserve, &v, &src))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(Ks)", (unsigned long long)v, names[src]);
 }

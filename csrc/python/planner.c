@@ -112,10 +112,10 @@ static PyObject *Planner_agree(PlannerObject *self, PyObject *args, PyObject *kw
 
 static PyObject *Planner_end(PlannerObject *self, PyObject *args)
 {
-    unsigned long long micro, peak;
-    if (!PyArg_ParseTuple(args, "KK", &micro, &peak))
+    unsigned long long micro, peak, floor = 0;
+    if (!PyArg_ParseTuple(args, "KK|K", &micro, &peak, &floor))
         return NULL;
-    mg_planner_end(&self->p, micro, peak);
+    mg_planner_end(&self->p, micro, peak, floor);
     Py_RETURN_NONE;
 }
 
@@ -142,8 +142,16 @@ static PyObject *Planner_set_budget(PlannerObject *self, PyObject *arg)
     uint64_t b;
     if (size_arg(arg, &b))
         return NULL;
-    self->p.opts.budget_bytes = b;
+    mg_planner_set_budget(&self->p, b);
     Py_RETURN_NONE;
+}
+
+static PyObject *Planner_room_fit(PlannerObject *self, PyObject *unused)
+{
+    (void)unused;
+    uint64_t s = 0;
+    int rc = mg_planner_room_fit(&self->p, &s); /* before s is read */
+    return size_or_none(rc, s);
 }
 
 /* The planner's state and last decision, for telemetry and state_dict. */
@@ -152,13 +160,13 @@ static PyObject *Planner_state(PlannerObject *self, PyObject *unused)
     (void)unused;
     const mg_planner_t *p = &self->p;
     return Py_BuildValue(
-        "{sKsKsKsKsIsIsKsKsssssKsK}", "micro", (unsigned long long)p->micro, "full",
+        "{sKsKsKsKsIsIsKsKsssssKsKsK}", "micro", (unsigned long long)p->micro, "full",
         (unsigned long long)p->full, "failed", (unsigned long long)p->failed, "step",
         (unsigned long long)p->step, "calm", p->calm, "calm_since_fail", p->calm_since_fail,
         "ooms", (unsigned long long)p->ooms, "decision_step", (unsigned long long)p->last.step,
         "action", mg_plan_action_name(p->last.action), "reason",
         mg_plan_reason_name(p->last.reason), "from", (unsigned long long)p->last.from, "to",
-        (unsigned long long)p->last.to);
+        (unsigned long long)p->last.to, "budget_bytes", (unsigned long long)p->opts.budget_bytes);
 }
 
 static PyMethodDef Planner_methods[] = {
@@ -168,12 +176,16 @@ static PyMethodDef Planner_methods[] = {
      "oom(micro) -> smaller size to redo the step at, or None at the minimum"},
     {"agree", (PyCFunction)(void (*)(void))Planner_agree, METH_VARARGS | METH_KEYWORDS,
      "agree(micro, failed=0): adopt the size the ranks agreed on; failed: a peer's OOM size"},
-    {"end", (PyCFunction)Planner_end, METH_VARARGS, "end(micro, peak_bytes): step finished"},
+    {"end", (PyCFunction)Planner_end, METH_VARARGS,
+     "end(micro, peak_bytes, floor_bytes=0): step finished; floor: held as it began"},
     {"predict", (PyCFunction)Planner_predict, METH_O,
      "predict(micro) -> predicted peak bytes, or None before any observation"},
     {"fit", (PyCFunction)Planner_fit, METH_O,
      "fit(x) -> largest allowed size not above x, or None"},
-    {"set_budget", (PyCFunction)Planner_set_budget, METH_O, "Budget in bytes for growth (0: none)."},
+    {"set_budget", (PyCFunction)Planner_set_budget, METH_O,
+     "set_budget(budget): the room peaks are planned against (0: none)"},
+    {"room_fit", (PyCFunction)Planner_room_fit, METH_NOARGS,
+     "room_fit() -> largest size whose predicted peak fits the room (0: none), or None"},
     {"state", (PyCFunction)Planner_state, METH_NOARGS, "State and last decision as a dict."},
     {NULL, NULL, 0, NULL},
 };

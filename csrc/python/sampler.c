@@ -15,14 +15,15 @@ typedef struct {
 static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"interval_ms", "ring_size", "budget_bytes", "proc_root",
-                             "cgroup_root", "pressure", NULL};
+                             "cgroup_root", "pressure", "live", NULL};
     double interval_ms = 0;
     unsigned int ring_size = 0;
     unsigned long long budget = 0;
     const char *proc_root = NULL, *cgroup_root = NULL;
     PyObject *pressure = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|dIKzzO", kwlist, &interval_ms, &ring_size,
-                                     &budget, &proc_root, &cgroup_root, &pressure))
+    int live = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|dIKzzOp", kwlist, &interval_ms, &ring_size,
+                                     &budget, &proc_root, &cgroup_root, &pressure, &live))
         return -1;
     if (self->s) {
         PyErr_SetString(PyExc_RuntimeError, "Sampler already initialised");
@@ -44,6 +45,7 @@ static int Sampler_init(SamplerObject *self, PyObject *args, PyObject *kw)
         .interval_us = (uint32_t)(interval_ms * 1000),
         .ring_size = ring_size,
         .budget_bytes = budget,
+        .live = live,
         .proc_root = proc_root,
         .cgroup_root = cgroup_root,
         .pressure = &popts,
@@ -229,6 +231,15 @@ static PyObject *Sampler_set_budget(SamplerObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *Sampler_set_live(SamplerObject *self, PyObject *arg)
+{
+    int live = PyObject_IsTrue(arg);
+    if (live < 0 || !ready(self))
+        return NULL;
+    mg_sampler_set_live(self->s, live);
+    Py_RETURN_NONE;
+}
+
 /* A CUDA device's counters from a dict with the mg_cuda_counters_t names;
  * missing or None entries read 0 ("device" -1). */
 static PyObject *Sampler_push_cuda(SamplerObject *self, PyObject *arg)
@@ -306,6 +317,8 @@ static PyMethodDef Sampler_methods[] = {
      "Wake wait() after every sample (True) or on level changes only."},
     {"cpu_ns", (PyCFunction)Sampler_cpu_ns, METH_NOARGS, "CPU time of the sampling thread."},
     {"set_budget", (PyCFunction)Sampler_set_budget, METH_O, "Budget in bytes (0: none)."},
+    {"set_live", (PyCFunction)Sampler_set_live, METH_O,
+     "Judge against the live budget, capped by the budget set (True), or not."},
     {"push_cuda", (PyCFunction)Sampler_push_cuda, METH_O,
      "push_cuda(counters) -> raw level of the CUDA signals: hand the sampler a CUDA "
      "device's allocator counters (later samples carry them)."},
@@ -324,7 +337,7 @@ static PyType_Slot Sampler_slots[] = {
     {Py_tp_methods, Sampler_methods},
     {Py_tp_getset, Sampler_getset},
     {Py_tp_doc, "Sampler(interval_ms=0, ring_size=0, budget_bytes=0, proc_root=None, "
-                "cgroup_root=None, pressure=None): the C telemetry sampler."},
+                "cgroup_root=None, pressure=None, live=False): the C telemetry sampler."},
     {0, NULL},
 };
 

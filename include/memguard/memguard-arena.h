@@ -33,7 +33,7 @@ extern "C" {
 #define MG_ARENA_API
 #endif
 
-#define MG_ARENA_STATS_VERSION 2
+#define MG_ARENA_STATS_VERSION 3
 
 /** Counters in PyTorch's vocabulary; bytes are block sizes except requested. */
 typedef struct mg_arena_stats {
@@ -50,6 +50,8 @@ typedef struct mg_arena_stats {
     uint64_t num_allocs, num_frees, num_cache_hits, num_ooms, num_trims;
     uint64_t trimmed_bytes;   /**< given back to the kernel by trims, in all */
     uint64_t last_oom_bytes;  /**< size of the last request refused (version 2) */
+    uint64_t decayed_bytes;   /**< given back by mg_arena_decay, in all (version 3) */
+    uint64_t epoch;           /**< step boundaries counted by mg_arena_decay (version 3) */
 } mg_arena_stats_t;
 
 /** Create the arena (idempotent). ENOMEM when no address range could be reserved. */
@@ -69,6 +71,14 @@ MG_ARENA_API void mg_arena_set_budget(uint64_t bytes);
 /** Keep at most @p bytes of freed large blocks cached (0: no limit beyond
  * the budget); past it, a free releases the oldest cached blocks at once. */
 MG_ARENA_API void mg_arena_set_cache_limit(uint64_t bytes);
+/**
+ * A step boundary: count it, and give back cached blocks not reused (not
+ * freed again) at any of the last @p age boundaries, like jemalloc's dirty
+ * decay counted in steps: what a training step reuses stays warm, sizes a
+ * step no longer uses leave within @p age steps. @p age 0 only counts.
+ * @p freed (may be NULL) gets the bytes released.
+ */
+MG_ARENA_API int mg_arena_decay(uint32_t age, uint64_t *freed);
 /** Release cached blocks until at most @p keep_bytes stay cached; @p freed gets the bytes. */
 MG_ARENA_API int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed);
 /** Copy the counters. */

@@ -2,14 +2,20 @@
  * @file memguard-planner.h
  * @brief The micro-batch planner: a pure, deterministic state machine.
  *
- * Fed at each step boundary with the batch size and the pressure level, on
- * each out-of-memory error with the size that failed, and at each step's end
+ * Fed at each step boundary with the batch size, the pressure level and the
+ * room there is now (the live budget, mg_planner_set_budget), on each
+ * out-of-memory error with the size that failed, and at each step's end
  * with the step's peak bytes, it decides the micro-batch size of the next
- * step: shrink on OOM, HIGH or CRITICAL; hold on ELEVATED; grow after
- * `grow_after` calm steps, guided by an online linear model of peak bytes
- * against micro-batch size and never back above a size that failed until
- * `retry_after` calm steps have passed. No clocks, no I/O, no allocation, so
- * recorded traces replay to the same decisions.
+ * step. An online linear model of peak bytes against micro-batch size says
+ * which sizes fit the room less the margin: when the room falls below the
+ * planned size's predicted peak, or pressure reaches HIGH, the next size is
+ * the largest that fits, in one decision; it grows to that size at once
+ * when the room rose by a quarter since the last shrink, and after
+ * `grow_after` calm steps otherwise. Without a model or a budget it halves on HIGH (a
+ * quarter on CRITICAL) and doubles on growth; an out-of-memory error halves
+ * at least. It holds on ELEVATED, and never goes back above a size that
+ * failed until `retry_after` calm steps have passed. No clocks, no I/O, no
+ * allocation, so recorded traces replay to the same decisions.
  */
 #ifndef MEMGUARD_PLANNER_H
 #define MEMGUARD_PLANNER_H
@@ -44,6 +50,9 @@ typedef enum mg_plan_reason {
     MG_PLAN_R_FAILED,       /**< growth held: a larger size failed recently */
     MG_PLAN_R_FIXED,        /**< fixed size: pressure does not change it */
     MG_PLAN_R_PEER,         /**< set to the size the ranks of a group agreed on */
+    MG_PLAN_R_ROOM,         /**< shrunk: the room fell below the planned size's predicted peak */
+    MG_PLAN_R_FITS,         /**< held under HIGH: the model says this size fits the room */
+    MG_PLAN_R_ROOM_BACK,    /**< grown at once: the room rose by a quarter since the last shrink */
     MG_PLAN_R_COUNT
 } mg_plan_reason_t;
 
@@ -52,8 +61,8 @@ typedef struct mg_planner_opts {
     uint64_t min_micro;    /**< smallest micro-batch (=1) */
     uint64_t multiple_of;  /**< micro-batches are multiples of this (=1) */
     uint64_t divisor_of;   /**< micro-batches divide this, e.g. a queue size (=0: none) */
-    uint64_t budget_bytes; /**< what peaks are compared against (=0: no model check) */
-    double margin;         /**< growth keeps predicted peak under budget*(1-margin) (=0.1) */
+    uint64_t budget_bytes; /**< the room: what peaks are planned against (=0: no model check) */
+    double margin;         /**< predicted peaks stay under budget*(1-margin) (=0.1) */
     double decay;          /**< weight kept by older observations per new one (=0.98) */
     uint32_t grow_after;   /**< calm step boundaries before a grow (=8) */
     uint32_t retry_after;  /**< calm step boundaries before passing a failed size (=64) */
@@ -78,7 +87,9 @@ typedef struct mg_planner {
     uint32_t calm;           /**< consecutive calm boundaries since the last change */
     uint32_t calm_since_fail;
     uint64_t ooms;           /**< out-of-memory events seen */
+    uint64_t shrunk_room;    /**< the room at the last shrink (0: none since the last growth) */
     double sw, sx, sy, sxx, sxy; /**< decayed least-squares sums of (size, peak) */
+    double sf, sfw;          /**< decayed sum and weight of known floors (bytes held as a step began) */
     mg_plan_decision_t last;
 } mg_planner_t;
 
@@ -117,8 +128,30 @@ MG_API int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next);
  */
 MG_API int mg_planner_agree(mg_planner_t *p, uint64_t micro, uint64_t failed);
 
-/** The step finished at @p micro with @p peak_bytes at its peak (0: unknown). */
-MG_API void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes);
+/**
+ * The step finished at @p micro with @p peak_bytes at its peak (0: unknown);
+ * @p floor_bytes is what the same source held as the step began (0:
+ * unknown). While every step seen had one size, the model is the line
+ * through the floor and that size's peaks.
+ */
+MG_API void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes,
+                           uint64_t floor_bytes);
+
+/**
+ * The room for the next decisions: @p budget_bytes (0: none) is what the
+ * predicted peak must stay under, less the margin. Set before each
+ * mg_planner_begin from the live budget; a fall below the planned size's
+ * predicted peak shrinks at the next boundary.
+ */
+MG_API void mg_planner_set_budget(mg_planner_t *p, uint64_t budget_bytes);
+
+/**
+ * Largest allowed size whose predicted peak fits the room (see
+ * mg_planner_set_budget).
+ * @return 0 with the size in @p size (0 when not even the smallest fits),
+ *         or ENODATA without a budget or a model.
+ */
+MG_API int mg_planner_room_fit(const mg_planner_t *p, uint64_t *size);
 
 /**
  * Predicted peak bytes of a step at @p micro.

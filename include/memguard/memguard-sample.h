@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define MG_SAMPLE_VERSION 3
+#define MG_SAMPLE_VERSION 4
 
 /** Bits of mg_sample_t.have. */
 enum {
@@ -33,6 +33,16 @@ enum {
     MG_HAVE_ARENA = 1u << 17,        /**< arena_* (memguard's allocator is in use) */
     MG_HAVE_CUDA = 1u << 18,         /**< cuda_* (pushed by mg_sampler_push_cuda) */
     MG_HAVE_CUDA_BUDGET = 1u << 19,  /**< cuda_budget_used_fraction (a CUDA budget is set) */
+    MG_HAVE_FOOTPRINT = 1u << 20,    /**< footprint_bytes (version 4) */
+    MG_HAVE_CHILDREN = 1u << 21,     /**< children, children_bytes (the process tree was read) */
+};
+
+/** What set mg_sample_t.budget_bytes (version 4). */
+enum {
+    MG_BUDGET_SRC_NONE = 0,
+    MG_BUDGET_SRC_USER = 1,   /**< the budget asked for */
+    MG_BUDGET_SRC_CGROUP = 2, /**< the cgroup's limit less what others in it use */
+    MG_BUDGET_SRC_HOST = 3,   /**< the footprint plus MemAvailable less a reserve */
 };
 
 /** One telemetry sample. */
@@ -73,8 +83,8 @@ typedef struct mg_sample {
     double cgroup_psi_some_stall, cgroup_psi_full_stall;
 
     /* pressure */
-    uint64_t budget_bytes;
-    double budget_used_fraction; /**< (rss - arena cached) / budget_bytes */
+    uint64_t budget_bytes;       /**< judged against: the live budget when the sampler is live */
+    double budget_used_fraction; /**< (footprint - arena cached) / budget_bytes */
     double headroom_fraction;    /**< min free fraction: system, cgroup */
     int32_t raw_level;           /**< level of this sample alone */
     int32_t level;               /**< after hysteresis */
@@ -101,6 +111,13 @@ typedef struct mg_sample {
     uint64_t cuda_budget_bytes;      /**< 0: none */
     int64_t cuda_age_ns;             /**< since the push */
     double cuda_budget_used_fraction; /**< allocated / budget; NaN without one */
+
+    /* the process tree and the live budget (version 4) */
+    uint64_t footprint_bytes;  /**< rss + swap, plus the children's private and swapped bytes */
+    uint64_t children_bytes;   /**< the children's part of footprint_bytes */
+    uint32_t children;         /**< processes below this one (DataLoader workers) */
+    int32_t budget_source;     /**< MG_BUDGET_SRC_* behind budget_bytes */
+    uint64_t user_budget_bytes; /**< the budget asked for (0: none, or "auto") */
 } mg_sample_t;
 
 #endif /* MEMGUARD_SAMPLE_H */

@@ -63,6 +63,19 @@ MG_API int mg_parse_size(const char *text, uint64_t *out);
 MG_API int mg_parse_budget(const char *text, uint64_t total, uint64_t available,
                            uint64_t *out);
 
+/**
+ * The live budget: what the process can have now, from one sample. The
+ * least of @p user_bytes (0: none), the cgroup's limit (memory.high where
+ * lower) less what others in the cgroup use, and the process's resident
+ * bytes (its tree's) plus MemAvailable less @p reserve_bytes. The process's
+ * swapped-out bytes are part of its footprint, which is what the budget
+ * bounds, so they count against it. @p source (may be NULL) receives the
+ * MG_BUDGET_SRC_* that bound it.
+ * @return 0, or ENODATA when there is neither a user budget nor a reading.
+ */
+MG_API int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, uint64_t reserve_bytes,
+                          uint64_t *out, int *source);
+
 /* ---- pressure model ----------------------------------------------------- */
 
 /** Thresholds of the pressure model; one value per level above OK. */
@@ -107,7 +120,8 @@ typedef struct mg_sampler mg_sampler_t;
 typedef struct mg_sampler_config {
     uint32_t interval_us;     /**< sampling period (=100000, at least 5000) */
     uint32_t ring_size;       /**< samples kept (=4096) */
-    uint64_t budget_bytes;    /**< 0: no budget signal */
+    uint64_t budget_bytes;    /**< the budget asked for (0: none) */
+    int live;                 /**< judge against mg_budget_live(), capped by budget_bytes */
     const char *proc_root;    /**< procfs mount (="/proc") */
     const char *cgroup_root;  /**< cgroup mount (="/sys/fs/cgroup") */
     const mg_pressure_opts_t *pressure; /**< NULL: defaults */
@@ -150,6 +164,8 @@ MG_API int mg_sampler_level_fd(const mg_sampler_t *s);
 MG_API int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out);
 /** Change the budget used by the pressure model (takes effect next sample). */
 MG_API void mg_sampler_set_budget(mg_sampler_t *s, uint64_t budget_bytes);
+/** Judge against the live budget (capped by the budget set) from the next sample, or not. */
+MG_API void mg_sampler_set_live(mg_sampler_t *s, int live);
 
 /** A CUDA device's allocator counters, as pushed from a step boundary. */
 typedef struct mg_cuda_counters {

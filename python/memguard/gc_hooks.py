@@ -2,14 +2,18 @@
 pressure rises.
 
 :class:`GcHooks` times each collection through ``gc.callbacks``. Its
-:meth:`~GcHooks.relieve` does, at most once per ``min_interval_s``: one full
-``gc.collect()`` (skipped while the script has automatic collection off
-and collects on its own schedule, unless forced), the system allocator's
-trim (``malloc_trim(0)`` under glibc, a purge of every jemalloc arena when
-jemalloc serves ``malloc``), a release of memguard's arena cache, and
-``torch.cuda.empty_cache()`` where CUDA is in use. The guard calls it on a
-rise to HIGH and after an evaluation loop; before redoing a step that ran
-out of memory it calls the lighter :meth:`~GcHooks.relieve_oom`.
+:meth:`~GcHooks.relieve` does one full ``gc.collect()`` (skipped while the
+script has automatic collection off and collects on its own schedule,
+unless forced), the system allocator's trim (``malloc_trim(0)`` under
+glibc, a purge of every jemalloc arena when jemalloc serves ``malloc``), a
+release of memguard's arena cache down to what the caller says the next
+steps reuse, and ``torch.cuda.empty_cache()`` where CUDA is in use. It is
+rate-limited by its own cost: a relief waits until its last one's duration
+is at most ``max_share`` of the time since that one began (5 %: a 200 ms
+relief at most every 4 s), and at least ``min_interval_s``. The guard calls
+it at every step boundary under HIGH or CRITICAL, on a rise to HIGH, and
+after an evaluation loop; before redoing a step that ran out of memory it
+calls the lighter :meth:`~GcHooks.relieve_oom`.
 """
 from __future__ import annotations
 
@@ -46,21 +50,27 @@ class GcHooks:
 
     Args:
         min_interval_s: the least time between two :meth:`relieve` runs
-            that are not forced (=10).
+            that are not forced (=0: the cost alone limits them).
+        max_share: the most of the wall time reliefs that are not forced
+            may take (=0.05).
         on_event: called with ``(name, data)`` after each relief
             (telemetry).
     """
 
-    def __init__(self, min_interval_s: float = 10.0,
+    def __init__(self, min_interval_s: float = 0.0, max_share: float = 0.05,
                  on_event: Callable[[str, dict], Any] | None = None) -> None:
         if not min_interval_s >= 0:
             raise ValueError(f"min_interval_s must be >= 0, not {min_interval_s!r}")
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share must be in (0, 1], not {max_share!r}")
         self.min_interval_s = float(min_interval_s)
+        self.max_share = float(max_share)
         self.on_event = on_event
         self.stats = GcStats()
         self._t0: float | None = None   # start of the collection under way (GIL-serialised)
-        self._lock = threading.Lock()   # one relief at a time; guards _last
-        self._last = -float("inf")
+        self._lock = threading.Lock()   # one relief at a time; guards _last, _last_cost
+        self._last = -float("inf")      # when the last relief began (monotonic s)
+        self._last_cost = 0.0           # how long it took
         self._installed = False
 
     def install(self) -> GcHooks:
@@ -110,8 +120,13 @@ class GcHooks:
             self._count(done, t0)
         return self._report(done)
 
+    def due(self) -> bool:
+        """Whether a relief that is not forced would run now."""
+        wait = max(self.min_interval_s, self._last_cost / self.max_share)
+        return time.monotonic() - self._last >= wait
+
     def relieve(self, reason: str = "pressure", *, force: bool = False,
-                collect: bool | None = None) -> dict | None:
+                collect: bool | None = None, arena_keep: int = 0) -> dict | None:
         """Release what memory can be released now.
 
         Args:
@@ -120,21 +135,22 @@ class GcHooks:
             collect: run ``gc.collect()``; ``None``: only while automatic
                 collection is on (a script that turned it off collects on
                 its own schedule).
+            arena_keep: bytes of memguard's arena cache to keep (what the
+                next steps reuse warm); the rest goes back to the kernel.
 
         Returns:
             What was done (``None`` when rate-limited).
         """
         with self._lock:
-            now = time.monotonic()
-            if not force and now - self._last < self.min_interval_s:
+            if not force and not self.due():
                 return None
-            self._last = now
+            self._last = time.monotonic()
             t0 = time.perf_counter()
             done: dict[str, Any] = {"reason": reason}
             if collect or (collect is None and gc.isenabled()):
                 done["gc_collected"] = gc.collect()
             done["system_trim"] = _C.system_trim()
-            done["arena_released_bytes"] = _C.arena_trim(0)
+            done["arena_released_bytes"] = _C.arena_trim(max(0, int(arena_keep)))
             _empty_cuda_cache(done)
             if _C.cuda_backend() is not None:   # memguard's CUDA allocator
                 done["cuda_released_bytes"] = _C.cuda_trim(-1)
@@ -144,6 +160,7 @@ class GcHooks:
     def _count(self, done: dict[str, Any], t0: float) -> None:
         """Book one relief in the stats (self._lock held)."""
         done["seconds"] = time.perf_counter() - t0
+        self._last_cost = done["seconds"]
         s = self.stats
         s.reliefs += 1
         s.relief_seconds += done["seconds"]

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from memguard import _C, _batch, allocator
+from memguard._options import option
 from memguard.accumulation import Accumulator
 from memguard.budget import parse_budget
 from memguard.checkpoint import Checkpoints
@@ -39,6 +40,7 @@ from memguard.cuda import Governor
 from memguard.distributed import PeerOOM, Peers
 from memguard.gc_hooks import GcHooks
 from memguard.gradcache import gradcache_backward
+from memguard.room import Room
 from memguard.telemetry import Level, PressureEvent, Sampler, open_exporter
 from memguard.telemetry import sample as telemetry_sample
 
@@ -47,6 +49,13 @@ from memguard.telemetry import sample as telemetry_sample
 _WEIGHTLESS = -2
 _PEER_WEIGHTLESS = ("another rank's micro-batch weights sum to 0: it has no weighted mean "
                     "to average with this one's")
+
+#: Guard(budget=...) when none is given: the "budget" option (MEMGUARD_BUDGET,
+#: "auto" unless set)
+_OPTION = object()
+
+_active_lock = threading.Lock()   # guards _active
+_active: Guard | None = None      # the installed guard of this process
 
 
 class GuardOOMError(RuntimeError):
@@ -162,7 +171,9 @@ class _PeakMeter:
         self._arena_key = arena_key
         self._fds: tuple[int, int, int] | None = None   # (pid, clear_refs, status)
 
-    def start(self, batch: Any) -> None:
+    def start(self, batch: Any) -> int:
+        """Reset the peak; returns what the source holds now (the floor a
+        step starts from; 0 where unknown)."""
         leaves = _batch.leaves(batch)
         first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
         if first is not None and first.is_cuda:
@@ -173,19 +184,22 @@ class _PeakMeter:
             self._memguard_cuda = _C.cuda_backend() is not None
             if self._memguard_cuda:   # torch's own counters do not work then
                 _C.cuda_reset_peaks(self._index)
-            else:
-                torch.cuda.reset_peak_memory_stats(first.device)
-        elif allocator.installed():
+                return int(_C.cuda_stats(self._index)["allocated_bytes.current"])
+            torch.cuda.reset_peak_memory_stats(first.device)
+            return int(torch.cuda.memory_allocated(first.device))
+        if allocator.installed():
             self.source = "arena"
             _C.arena_reset_peaks()
-        else:
-            self.source = "rss"
-            fds = self._rss_fds()
-            if fds is not None:
-                try:
-                    os.pwrite(fds[1], b"5", 0)   # 5: peak RSS := current RSS
-                except OSError:
-                    pass
+            return int(_C.arena_stats()["allocated_bytes.current"])
+        self.source = "rss"
+        fds = self._rss_fds()
+        if fds is None:
+            return 0
+        try:
+            os.pwrite(fds[1], b"5", 0)   # 5: peak RSS := current RSS
+        except OSError:
+            return 0
+        return self._status_kib(fds, b"VmRSS:") * 1024
 
     def _rss_fds(self) -> tuple[int, int, int] | None:
         """/proc/self files kept open (reopened in a forked child: /proc/self
@@ -212,14 +226,18 @@ class _PeakMeter:
         if self.source == "arena":
             return int(_C.arena_stats()[self._arena_key])
         fds = self._rss_fds() if self.source == "rss" else None
-        if fds is not None:
-            try:
-                text = os.pread(fds[2], 8192, 0)
-                at = text.find(b"VmHWM:")
-                if at >= 0:
-                    return int(text[at + 6:text.index(b"kB", at)]) * 1024
-            except (OSError, ValueError):
-                pass
+        return 0 if fds is None else self._status_kib(fds, b"VmHWM:") * 1024
+
+    @staticmethod
+    def _status_kib(fds: tuple[int, int, int], key: bytes) -> int:
+        """A kB field of /proc/self/status (0 when unreadable)."""
+        try:
+            text = os.pread(fds[2], 8192, 0)
+            at = text.find(key)
+            if at >= 0:
+                return int(text[at + len(key):text.index(b"kB", at)])
+        except (OSError, ValueError):
+            pass
         return 0
 
 
@@ -227,8 +245,16 @@ class Guard:
     """Keeps training steps inside a memory budget by splitting batches.
 
     Args:
-        budget: ``"auto"`` (90 % of what this process may use), a size
-            (``"12GiB"``), a share of RAM (``"75%"``) or bytes.
+        budget: what the process (with its DataLoader workers) may hold:
+            ``"auto"`` (what it can have now: see :mod:`memguard.room`), a
+            size (``"12GiB"``), a share of RAM (``"75%"``) or bytes, always
+            capped by what it can have now, which is re-derived at every
+            step boundary; ``None``: no budget. By default the ``budget``
+            option (``MEMGUARD_BUDGET``, ``"auto"`` unless set).
+        tensor_budget: a cap on what memguard's allocator holds for
+            tensors (a size or bytes; ``None``: none beyond what
+            ``budget`` leaves them). Where :func:`memguard.install` set an
+            allocator budget before, that one is the cap.
         micro_batch: ``"auto"`` (start with the whole batch and let pressure
             and out-of-memory errors decide), or a fixed starting size that
             only out-of-memory errors change.
@@ -245,8 +271,10 @@ class Guard:
         interval_ms: sampling period of the telemetry sampler.
         grow_after: calm steps before a larger micro-batch is tried (=8).
         retry_after: calm steps before a size that failed is tried again (=64).
-        margin: growth keeps the predicted peak under budget*(1-margin) (=0.1).
-        gc_interval_s: the least time between two pressure reliefs (=10).
+        margin: planned sizes keep the predicted peak under the room for
+            tensors times (1 - margin) (=0.1).
+        gc_interval_s: the least time between two pressure reliefs (=0:
+            only their cost limits them, to 5 % of the run's time).
         checkpoint: blocks to checkpoint when shrinking is not enough (a
             ``ModuleList`` such as a ViT's ``blocks``, or what
             :func:`memguard.checkpoint.wrap` returned): at the smallest
@@ -288,12 +316,13 @@ class Guard:
         ValueError: a bad budget, size or constraint, naming the value.
     """
 
-    def __init__(self, budget: str | int | None = "auto", micro_batch: str | int = "auto", *,
+    def __init__(self, budget: Any = _OPTION, micro_batch: str | int = "auto", *,
+                 tensor_budget: str | int | None = None,
                  min_micro_batch: int = 1, multiple_of: int = 1, divisor_of: int | None = None,
                  telemetry: Any = None, model: torch.nn.Module | None = None,
                  allocator: bool = True, interval_ms: float | None = None,
                  grow_after: int = 8, retry_after: int = 64, margin: float = 0.1,
-                 gc_interval_s: float = 10.0, sampler: Sampler | None = None,
+                 gc_interval_s: float = 0.0, sampler: Sampler | None = None,
                  checkpoint: Any = None,
                  on_critical: Callable[[Guard], Any] | None = None,
                  process_group: Any = None, ddp_overlap: bool = False,
@@ -319,7 +348,18 @@ class Guard:
                              f"{micro_batch!r}")
         if not 0 <= margin < 1:
             raise ValueError(f"margin must be in [0, 1), not {margin!r}")
-        self.budget_bytes = 0 if budget is None else parse_budget(budget)
+        if budget is _OPTION:
+            budget = str(option("budget"))
+        #: the budget as given (None: none; "auto": what the process can have)
+        self.budget = budget
+        user = None if budget is None or _is_auto(budget) else parse_budget(budget)
+        tensor = None if tensor_budget is None else parse_budget(tensor_budget)
+        if isinstance(tensor_budget, str) and (_is_auto(tensor_budget)
+                                               or tensor_budget.strip().endswith("%")):
+            raise ValueError(f"tensor_budget {tensor_budget!r} must be a size or bytes")
+        self._has_budget = budget is not None
+        #: the live budget and the arena following it (see memguard.room)
+        self.room = Room(budget=user, tensor_budget=tensor, live=self._has_budget)
         if cuda_budget is not None:
             parse_budget(cuda_budget, total=1 << 40)   # the device's total is known later
         if not (cuda is None or cuda is False or isinstance(cuda, Governor)):
@@ -336,7 +376,7 @@ class Guard:
         self.model = model
         self._planner_opts = {
             "micro": start, "min_micro": min_micro_batch, "multiple_of": multiple_of,
-            "divisor_of": divisor_of or 0, "budget_bytes": self.budget_bytes,
+            "divisor_of": divisor_of or 0, "budget_bytes": user or 0,
             "margin": float(margin), "grow_after": grow_after, "retry_after": retry_after,
             "fixed": fixed}
         self._planner = _C.Planner(**self._planner_opts)
@@ -344,7 +384,7 @@ class Guard:
             raise ValueError(f"micro_batch {start} breaks the constraints min_micro_batch="
                              f"{min_micro_batch}, multiple_of={multiple_of}, "
                              f"divisor_of={divisor_of}")
-        self._planner_budget = self.budget_bytes
+        self._planner_budget = user or 0
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = checkpoint if isinstance(checkpoint, Checkpoints) \
@@ -367,6 +407,8 @@ class Guard:
         self._own_sampler = False
         self.gc = GcHooks(min_interval_s=gc_interval_s, on_event=self._event)
         self._peak = _PeakMeter()
+        self._floor = 0                       # what the peak's source held as the step began
+        self._arena_budget_before: int | None = None   # restored by uninstall
         self._level_lock = threading.Lock()   # guards _max_raw and _level
         self._max_raw = Level.OK              # highest raw level since the last step boundary
         self._window_t = 0.0   # samples taken before (epoch s) were of a failed attempt
@@ -385,17 +427,68 @@ class Guard:
     # -- lifecycle ---------------------------------------------------------
     def install(self) -> Guard:
         """Start the telemetry sampler and gc hooks, and route tensor memory
-        to memguard's allocator with the budget where it can be. Idempotent."""
+        to memguard's allocator with the budget where it can be. Idempotent.
+        A failure leaves nothing installed.
+
+        Raises:
+            RuntimeError: another guard is installed in this process (guards
+                do not nest: a process has one allocator and one budget).
+            ValueError: the budget is below what the process holds already.
+        """
+        global _active
         if self._installed:
             return self
-        if self._want_allocator and "torch" in sys.modules:
-            room = self._tensor_room()
-            try:
-                was = allocator.installed()
-                allocator.install(budget=room)
-                self._allocator_installed_here = not was
-            except RuntimeError as exc:   # not ELF, no libc10 imports: run without it
-                self.allocator_error = str(exc)
+        with _active_lock:
+            if _active is not None:
+                raise RuntimeError(
+                    "another memguard.Guard is installed in this process: uninstall it "
+                    "first, or step with that one (a process has one allocator and one "
+                    "budget, so guards do not nest)")
+            _active = self
+        self._installed = True   # from here, uninstall() undoes what was done
+        try:
+            self._install_allocator()
+            self._start_telemetry()
+            if isinstance(self._cuda_arg, Governor) or (
+                    self._cuda_arg is None and self._cuda_budget is not None
+                    and torch.cuda.is_available()):
+                self._start_governor()
+            self.gc.install()
+        except BaseException:
+            self.uninstall()
+            raise
+        self._event("install", budget_bytes=self.budget_bytes, room=self.room.last.to_dict()
+                    if self.room.last else None, allocator=allocator.installed(),
+                    allocator_error=self.allocator_error)
+        return self
+
+    def _install_allocator(self) -> None:
+        """memguard's arena for tensors, with the budget the room leaves
+        them; a budget set by memguard.install() before stays as a cap."""
+        if not self._want_allocator or "torch" not in sys.modules:
+            return
+        before = int(_C.arena_stats()["budget_bytes"])
+        self._arena_budget_before = before
+        if allocator.installed() and before and self.room.tensor_budget is None \
+                and self.room.live:
+            self.room.tensor_budget = before
+        state = self.room.measure(telemetry_sample())
+        if self.room.budget and state.budget_bytes <= state.outside_bytes:
+            raise ValueError(
+                f"budget {_mib(state.budget_bytes)} is below what this process already holds "
+                f"outside memguard's allocator ({_mib(state.outside_bytes)}): raise the budget "
+                f"(it covers the whole process)")
+        try:
+            was = allocator.installed()
+            allocator.install(budget=state.arena_budget_bytes or None)
+            self._allocator_installed_here = not was
+        except RuntimeError as exc:   # not ELF, no libc10 imports: run without it
+            self.allocator_error = str(exc)
+        self.room.last = state
+
+    def _start_telemetry(self) -> None:
+        """The exporter and the sampler (the guard's own judges every sample
+        against the live budget), with the guard's callbacks."""
         t = self._telemetry_arg
         if t is not None:
             if isinstance(t, (str, os.PathLike)):
@@ -407,49 +500,19 @@ class Guard:
             self._own_sampler = not self.sampler.running
         else:
             self.sampler = Sampler(interval_ms=self._interval_ms,
-                                   budget=self.budget_bytes or None)
+                                   budget=self.room.budget, live=self._has_budget)
             self._own_sampler = True
         if self._exporter is not None:
             self.sampler.on_sample(self._exporter)
         self.sampler.on_pressure(self._on_pressure)
         self.sampler.on_sample(self._on_sample)
         self.sampler.start()
-        if isinstance(self._cuda_arg, Governor) or (
-                self._cuda_arg is None and self._cuda_budget is not None
-                and torch.cuda.is_available()):
-            self._start_governor()
-        self.gc.install()
-        self._installed = True
-        self._event("install", budget_bytes=self.budget_bytes,
-                    allocator=allocator.installed(), allocator_error=self.allocator_error)
-        return self
-
-    def _tensor_room(self) -> int | None:
-        """The arena's budget: what the process budget leaves for tensors
-        once the memory the process already holds outside the arena (the
-        interpreter, libraries, the model created before install) is
-        counted, so that tensors cannot take the process past its budget.
-
-        Raises:
-            ValueError: the process already holds more than the budget.
-        """
-        if not self.budget_bytes:
-            return None
-        rss = telemetry_sample().rss_bytes
-        if not rss:
-            return self.budget_bytes
-        outside = max(0, rss - int(_C.arena_stats()["reserved_bytes.current"]))
-        room = self.budget_bytes - outside
-        if room <= 0:
-            raise ValueError(
-                f"budget {self.budget_bytes / 2**20:.0f} MiB is below what this process "
-                f"already holds outside memguard's allocator ({outside / 2**20:.0f} MiB): "
-                f"raise the budget (it covers the whole process)")
-        return room
 
     def uninstall(self) -> None:
         """Stop the sampler and gc hooks; give torch's allocations back to
-        the system allocator if :meth:`install` routed them. Idempotent."""
+        the system allocator if :meth:`install` routed them, and the arena
+        the budget it had before. Idempotent."""
+        global _active
         if not self._installed:
             return
         self._installed = False
@@ -469,9 +532,26 @@ class Guard:
         if self._allocator_installed_here:
             allocator.uninstall()
             self._allocator_installed_here = False
+        if self._arena_budget_before is not None:
+            _C.arena_set_budget(self._arena_budget_before)
+            self._arena_budget_before = None
         if self._own_exporter and self._exporter is not None:
             self._exporter.close()
         self._exporter = None
+        with _active_lock:
+            if _active is self:
+                _active = None
+
+    @property
+    def budget_bytes(self) -> int:
+        """The process's budget now: the live budget at the last step
+        boundary (at install before the first step), capped by the budget
+        given; 0 without a budget."""
+        if not self._has_budget:
+            return 0
+        if self.room.last is not None and self.room.last.budget_bytes:
+            return self.room.last.budget_bytes
+        return int(self.room.budget or 0)
 
     def __enter__(self) -> Guard:
         return self.install()
@@ -482,7 +562,35 @@ class Guard:
     # -- pressure ----------------------------------------------------------
     def _on_pressure(self, ev: PressureEvent) -> None:
         if ev.new >= Level.HIGH > ev.old:
-            self.gc.relieve("high")
+            self.gc.relieve("high", arena_keep=self._cache_keep())
+
+    def _cache_keep(self) -> int:
+        """Arena cache a relief keeps: what the recent steps' working set
+        reuses (all of it before a step has run)."""
+        keep = self.room.cache_keep()
+        return int(_C.arena_stats()["cached_bytes"]) if keep is None else keep
+
+    def _manages_arena(self) -> bool:
+        """Whether the arena's budget and cache are this guard's to set."""
+        return self._installed and self._want_allocator and allocator.installed()
+
+    def _latest_sample(self) -> Any:
+        s = self.sampler.latest() if self.sampler is not None else None
+        return s if s is not None else telemetry_sample()
+
+    def _follow_room(self, level: int) -> None:
+        """A step boundary: the room now (the live budget, the arena's
+        budget and cache following it), and relief while pressure is HIGH
+        or above (at most the share of the time GcHooks allows)."""
+        before = self.room.last
+        state = self.room.boundary(self._latest_sample(), self._manages_arena())
+        if before is None or _moved(before.budget_bytes, state.budget_bytes):
+            self._event("room", step=self.steps, **state.to_dict())
+        if level >= Level.HIGH:
+            self.gc.relieve(Level(level).name.lower(), arena_keep=self._cache_keep())
+        back = self.room.recover_swap(level)
+        if back:
+            self._event("swap_in", step=self.steps, swap_bytes=back)
 
     def _on_sample(self, s: Any) -> None:
         # the callback thread may hand a sample over late: one taken before
@@ -598,7 +706,8 @@ class Guard:
         n = _batch.batch_size(batch)
         peers = self._peers_for_step()
         level = self._boundary_level()   # first: it pushes the last step's CUDA peaks
-        self._peak.start(batch)
+        self._follow_room(level)
+        self._floor = self._peak.start(batch)
         self._sync_budget()
         micro = int(self._planner.begin(n, self._checkpoint_hold(level)))
         if peers is not None:
@@ -679,6 +788,7 @@ class Guard:
                     acc.reset()
                     raise
                 tried.append(micro)
+                self._follow_room_now()    # the room may have fallen during the step
                 nxt = self._planner.oom(micro) or 0
                 if peers is not None:
                     res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
@@ -701,7 +811,7 @@ class Guard:
                 self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
                 raise GuardOOMError(tried, self.min_micro_batch) from cause
             self.gc.relieve_oom()
-            self._peak.start(batch)   # the peak the planner learns is the retry's
+            self._floor = self._peak.start(batch)   # the peak the planner learns is the retry's
             with self._level_lock:    # and the pressure the next boundary acts on:
                 self._max_raw = Level.OK   # the OOM already shrank for the failed one
                 self._window_t = time.time()
@@ -721,7 +831,9 @@ class Guard:
         if post_step is not None:
             post_step(aux)
         peak = self._peak.stop()
-        self._planner.end(micro, peak)
+        self._planner.end(micro, peak, self._floor)
+        if self._peak.source == "arena":
+            self.room.record_peak(peak)
         self.peak_bytes = max(self.peak_bytes, peak)
         res = StepResult(loss=loss, micro_batch=micro, n_micro=n_micro, retries=len(tried),
                          peak_bytes=peak, aux=aux, weight=weight, tried=tried)
@@ -773,12 +885,20 @@ class Guard:
             self._peers_checked = True
         return self._peers
 
+    def _follow_room_now(self) -> None:
+        """Within a step (after an out-of-memory error): the room now, the
+        arena's budget following it, and the planner's; the cache ages only
+        at boundaries."""
+        self.room.follow(self._latest_sample(), self._manages_arena())
+        self._sync_budget()
+
     def _sync_budget(self) -> None:
-        """Growth is checked against the budget of what the peaks measure:
-        the arena's own budget when it serves tensors and has one."""
+        """The planner plans against the budget of what the peaks measure:
+        the arena's budget (the room the live budget leaves tensors) when it
+        serves them, the device's for CUDA, the live budget for RSS."""
         budget = self.budget_bytes
         if self._peak.source == "arena":
-            budget = _C.arena_stats()["budget_bytes"] or budget
+            budget = _C.arena_stats()["budget_bytes"]
         elif self._peak.source == "cuda":
             gov = self.cuda_governor
             budget = gov.budget_bytes if gov is not None and gov.budget_bytes else \
@@ -860,6 +980,7 @@ class Guard:
                     if not allocator.is_oom(exc):
                         raise
                     tried.append(micro)
+                    self._follow_room_now()
                     nxt = self._planner.oom(micro)
                     if nxt is None:
                         raise GuardOOMError(tried, self.min_micro_batch) from exc
@@ -946,3 +1067,16 @@ class Guard:
         if mem != "?":
             mem += unit
         return {"mem": mem, "micro": self.micro_batch, "oom": self.ooms_recovered}
+
+
+def _is_auto(budget: Any) -> bool:
+    return isinstance(budget, str) and budget.strip().lower() == "auto"
+
+
+def _moved(old: int, new: int) -> bool:
+    """Whether a budget moved by more than 1/32 (telemetry's "room" events)."""
+    return abs(new - old) * 32 > max(old, new)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"

@@ -32,8 +32,8 @@ from memguard import _C
 from memguard.budget import parse_budget
 
 #: Version of the sample schema written by the exporters (2: arena_* fields;
-#: 3: cuda_* fields).
-SCHEMA_VERSION = 3
+#: 3: cuda_* fields; 4: the footprint, the process tree and the live budget).
+SCHEMA_VERSION = 4
 SCHEMA_NAME = "memguard.telemetry"
 
 
@@ -56,6 +56,11 @@ class Sample:
     need a previous sample and are ``None`` on the first. PSI averages are
     percentages as the kernel reports them. ``swap_in_pages`` and friends are
     system-wide counters from ``/proc/vmstat``; faults are this process's.
+    ``footprint_bytes`` is what a budget bounds: resident plus swapped-out
+    bytes, plus what the process's children hold alone. ``budget_bytes`` is
+    the budget the sample was judged against: with a live sampler, what the
+    process can have now (``budget_source`` says what bound it), capped by
+    ``user_budget_bytes``.
     """
 
     t: float  # seconds since the epoch
@@ -132,6 +137,13 @@ class Sample:
     cuda_budget_bytes: int | None = None
     cuda_age_ns: int | None = None
     cuda_budget_used_fraction: float | None = None
+    # what the budget bounds: the process's resident and swapped bytes, and
+    # its children's own (DataLoader workers); where the budget came from
+    footprint_bytes: int | None = None
+    children: int | None = None
+    children_bytes: int | None = None
+    budget_source: str | None = None      # "user", "cgroup" or "host"
+    user_budget_bytes: int | None = None  # the budget asked for, when one was
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Sample:
@@ -201,6 +213,10 @@ class Sampler:
             ``{"psi_high": 0.2, "calm_samples": 5}``.
         export: a path ending in ``.jsonl`` or ``.csv``; every sample is
             written there until :meth:`stop`.
+        live: judge every sample against what the process can have at that
+            moment (:func:`memguard.budget.live_budget`), capped by
+            ``budget`` when one is given; ``None``: live when ``budget`` is
+            ``"auto"``.
 
     Raises:
         ValueError: bad interval, budget, thresholds or export path.
@@ -216,12 +232,15 @@ class Sampler:
         cgroup_root: str | None = None,
         pressure: Mapping[str, float] | None = None,
         export: str | os.PathLike | None = None,
+        live: bool | None = None,
     ) -> None:
         if interval_ms is not None and not (5 <= interval_ms <= 60000):
             raise ValueError(f"interval_ms {interval_ms!r} is out of range: use 5 to 60000")
         if ring_size is not None and ring_size < 2:
             raise ValueError(f"ring_size {ring_size!r} must be at least 2")
-        self._budget = 0 if budget is None else parse_budget(budget)
+        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+        self._live = auto if live is None else bool(live)
+        self._budget = 0 if budget is None or auto else parse_budget(budget)
         self._c = _C.Sampler(
             interval_ms=float(interval_ms or 0),
             ring_size=int(ring_size or 0),
@@ -229,6 +248,7 @@ class Sampler:
             proc_root=None if proc_root is None else os.fspath(proc_root),
             cgroup_root=None if cgroup_root is None else os.fspath(cgroup_root),
             pressure=dict(pressure) if pressure else None,
+            live=self._live,
         )
         self._lock = threading.Lock()  # guards the callback lists and thread state
         self._on_sample: list[Callable[[Sample], Any]] = []
@@ -328,12 +348,25 @@ class Sampler:
 
     @property
     def budget_bytes(self) -> int | None:
-        """The budget the pressure model compares RSS with, or ``None``."""
+        """The budget asked for, or ``None`` (for a live sampler: none, or
+        ``"auto"``; each sample's ``budget_bytes`` is the live one)."""
         return self._budget or None
 
-    def set_budget(self, budget: str | int | None) -> None:
-        """Change the budget from the next sample on."""
-        self._budget = 0 if budget is None else parse_budget(budget)
+    @property
+    def live(self) -> bool:
+        """Whether samples are judged against the live budget."""
+        return self._live
+
+    def set_budget(self, budget: str | int | None, live: bool | None = None) -> None:
+        """Change the budget from the next sample on (``"auto"``: the live
+        budget alone); ``live`` as in the constructor (``None``: keep it,
+        unless ``budget`` is ``"auto"``)."""
+        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+        new = 0 if budget is None or auto else parse_budget(budget)
+        self._budget = new
+        if auto or live is not None:
+            self._live = auto or bool(live)
+            self._c.set_live(self._live)
         self._c.set_budget(self._budget)
 
     def push_cuda(self, counters: Mapping[str, int | None]) -> Level:

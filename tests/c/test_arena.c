@@ -598,6 +598,80 @@ static void test_trim(void)
     check_idle();
 }
 
+/* Decay counted in step boundaries: a block freed again at every boundary
+ * (a training step's reuse) stays cached and resident; one not freed again
+ * for `age` boundaries is given back; age 0 only counts; halves merged back
+ * age like any block. */
+static void test_decay(void)
+{
+    mg_arena_trim(0, NULL);
+    mg_arena_stats_t s0 = st();
+    uint64_t freed = 12345;
+    CHECK_EQ(mg_arena_decay(0, &freed), 0);
+    CHECK_EQ(freed, 0);
+    CHECK_EQ(st().epoch, s0.epoch + 1);
+    void *hot = NULL, *cold = NULL;
+    CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &hot), 0);
+    CHECK_EQ(mg_arena_alloc(16 * MiB, 64, &cold), 0);
+    memset(hot, 1, 8 * MiB);
+    memset(cold, 2, 16 * MiB);
+    mg_arena_free(cold); /* its size is not used again */
+    mg_arena_free(hot);
+    uint64_t hot_b = block_bytes(8 * MiB, 64), cold_b = block_bytes(16 * MiB, 64);
+    CHECK_EQ(st().cached_bytes, hot_b + cold_b);
+    /* two boundaries: both younger than age 3 */
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &hot), 0); /* the step reuses it */
+        mg_arena_free(hot);
+        CHECK_EQ(mg_arena_decay(3, &freed), 0);
+        CHECK_EQ(freed, 0);
+    }
+    uint64_t rss_before = rss_bytes();
+    /* the third: the cold block was listed three boundaries ago */
+    CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &hot), 0);
+    mg_arena_free(hot);
+    mg_arena_stats_t s1 = st();
+    CHECK_EQ(mg_arena_decay(3, &freed), 0);
+    mg_arena_stats_t s2 = st();
+    CHECK_EQ(freed, cold_b);
+    CHECK_EQ(s2.cached_bytes, hot_b);
+    CHECK_EQ(s2.reserved_current, s1.reserved_current - cold_b);
+    CHECK_EQ(s2.decayed_bytes - s1.decayed_bytes, cold_b);
+    CHECK_EQ(s2.trimmed_bytes - s1.trimmed_bytes, cold_b);
+    CHECK(rss_bytes() + 15 * MiB <= rss_before); /* its pages went back */
+    /* the hot one stays while reused, and goes at the third boundary after
+     * the steps stop using it (the first was the one above) */
+    CHECK_EQ(mg_arena_decay(3, &freed), 0);
+    CHECK_EQ(freed, 0);
+    CHECK_EQ(mg_arena_decay(3, &freed), 0);
+    CHECK_EQ(freed, hot_b);
+    CHECK_EQ(st().cached_bytes, 0);
+    /* a released block is not released twice; reused, it is young again */
+    CHECK_EQ(mg_arena_decay(1, &freed), 0);
+    CHECK_EQ(freed, 0);
+    CHECK_EQ(mg_arena_alloc(16 * MiB, 64, &cold), 0);
+    CHECK(cold != NULL);
+    mg_arena_free(cold);
+    CHECK_EQ(st().cached_bytes, cold_b);
+    CHECK_EQ(mg_arena_decay(1, &freed), 0);
+    CHECK_EQ(freed, cold_b);
+    /* halves: split under a budget, merged on free, then aged as one */
+    void *big = NULL, *half = NULL;
+    CHECK_EQ(mg_arena_alloc(32 * MiB - HDR, 64, &big), 0);
+    mg_arena_free(big);
+    mg_arena_stats_t s3 = st();
+    mg_arena_set_budget(s3.reserved_current); /* nothing new fits: halves */
+    CHECK_EQ(mg_arena_alloc(16 * MiB - HDR, 64, &half), 0);
+    CHECK_EQ(st().reserved_current, s3.reserved_current);
+    mg_arena_free(half); /* merges back with its listed buddy */
+    CHECK_EQ(st().cached_bytes, s3.cached_bytes);
+    CHECK_EQ(mg_arena_decay(1, &freed), 0);
+    CHECK_EQ(freed, block_bytes(32 * MiB - HDR, 64));
+    mg_arena_set_budget(0);
+    CHECK_EQ(st().cached_bytes, 0);
+    check_idle();
+}
+
 /* Under a budget, a large class with nothing cached takes half of a cached
  * block of twice its size (no release, no new pages); halves merge back
  * with their buddy when both are free, also two levels down; a released
@@ -1208,6 +1282,7 @@ int main(void)
     RUN(test_accounting);
     RUN(test_caching);
     RUN(test_trim);
+    RUN(test_decay);
     RUN(test_budget);
     RUN(test_split_merge);
     RUN(test_huge_requests);

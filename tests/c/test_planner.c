@@ -164,7 +164,7 @@ static void test_options(void)
     CHECK_STR(mg_plan_action_name(-1), "?");
     const char *reasons[] = {"start", "calm", "elevated", "high", "critical", "oom",
                              "at_min", "at_full", "grow", "model", "failed", "fixed",
-                             "peer"};
+                             "peer", "room", "fits", "room_back"};
     CHECK_EQ(sizeof(reasons) / sizeof(*reasons), MG_PLAN_R_COUNT);
     for (int r = 0; r < MG_PLAN_R_COUNT; r++)
         CHECK_STR(mg_plan_reason_name(r), reasons[r]);
@@ -545,14 +545,26 @@ static void test_model(void)
     uint64_t bytes = 0xDEADBEEF;
     CHECK_EQ(mg_planner_predict(&p, 8, &bytes), ENODATA);
     CHECK_EQ(bytes, 0xDEADBEEF);
-    mg_planner_end(&p, 8, 0); /* unknown peaks are not data */
-    mg_planner_end(&p, 0, 5000);
+    mg_planner_end(&p, 8, 0, 0); /* unknown peaks are not data */
+    mg_planner_end(&p, 0, 5000, 0);
     CHECK_EQ(mg_planner_predict(&p, 8, &bytes), ENODATA);
 
     /* one size only: proportional (a line through the origin) */
-    mg_planner_end(&p, 10, 2000000000);
+    mg_planner_end(&p, 10, 2000000000, 0);
     CHECK_EQ(mg_planner_predict(&p, 10, &bytes), 0);
     CHECK_NEAR((double)bytes, 2e9, 2);
+    CHECK_EQ(mg_planner_predict(&p, 20, &bytes), 0);
+    CHECK_NEAR((double)bytes, 4e9, 4);
+    /* ... or, with the floors known, the line through the mean floor */
+    mg_planner_end(&p, 10, 2000000000, 1000000000);
+    mg_planner_end(&p, 10, 2000000000, 0); /* an unknown floor is no information */
+    CHECK_EQ(mg_planner_predict(&p, 0, &bytes), 0);
+    CHECK_NEAR((double)bytes, 1e9, 2);
+    CHECK_EQ(mg_planner_predict(&p, 20, &bytes), 0);
+    CHECK_NEAR((double)bytes, 3e9, 4);
+    /* a floor at or above the peak is not one */
+    p = planner(o, 0);
+    mg_planner_end(&p, 10, 2000000000, 2000000000);
     CHECK_EQ(mg_planner_predict(&p, 20, &bytes), 0);
     CHECK_NEAR((double)bytes, 4e9, 4);
 
@@ -560,13 +572,13 @@ static void test_model(void)
     p = planner(o, 0);
     uint64_t m = begin(&p, 64, OK);
     CHECK_EQ(m, 64);
-    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m));
+    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m), 0);
     m = begin(&p, 64, HIGH);
     CHECK_EQ(m, 32);
-    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m));
+    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m), 0);
     m = begin(&p, 64, HIGH);
     CHECK_EQ(m, 16);
-    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m));
+    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m), 0);
     for (uint64_t x = 1; x <= 128; x *= 2) {
         CHECK_EQ(mg_planner_predict(&p, x, &bytes), 0);
         CHECK_NEAR((double)bytes, a + b * (double)x, 1e3);
@@ -579,19 +591,19 @@ static void test_model(void)
     p = planner(o, 16);
     CHECK_EQ(begin(&p, 1000, OK), 16);
     for (uint64_t x = 8; x <= 16; x += 4)
-        mg_planner_end(&p, x, (uint64_t)(a + b * (double)x));
+        mg_planner_end(&p, x, (uint64_t)(a + b * (double)x), 0);
     p.opts.budget_bytes = (uint64_t)((a + b * lim) / 0.9);
     CHECK_EQ(begin(&p, 1000, OK), 16);
     CHECK_LAST(&p, "hold", "calm", 16, 16);
     m = begin(&p, 1000, OK);
     CHECK_EQ(m, 22);
     CHECK_LAST(&p, "grow", "grow", 16, 22);
-    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m));
+    mg_planner_end(&p, m, (uint64_t)(a + b * (double)m), 0);
     for (int i = 0; i < 10; i++) {
         m = begin(&p, 1000, OK);
         CHECK_EQ(m, 22);
         CHECK_EQ(p.calm, i + 1);
-        mg_planner_end(&p, m, (uint64_t)(a + b * (double)m));
+        mg_planner_end(&p, m, (uint64_t)(a + b * (double)m), 0);
     }
     CHECK_LAST(&p, "hold", "model", 22, 22);
     uint64_t y22, y23;
@@ -601,35 +613,122 @@ static void test_model(void)
     CHECK((double)y22 <= room);
     CHECK((double)y23 > room);
 
-    /* a larger budget: doubling again (44: 23 micro-batches), then more */
+    /* a larger budget: the whole batch fits, and growth goes there at once */
     p.opts.budget_bytes = (uint64_t)((a + b * 1000.0) / 0.9) + 1000;
-    CHECK_EQ(begin(&p, 1000, OK), 44);
-    CHECK_LAST(&p, "grow", "grow", 22, 44);
-    CHECK_EQ(calm(&p, 1000, 2), 84); /* 88 takes 12, as 84 does */
-    CHECK_LAST(&p, "grow", "grow", 44, 84);
+    CHECK_EQ(begin(&p, 1000, OK), 1000);
+    CHECK_LAST(&p, "grow", "grow", 22, 1000);
 
-    /* a budget under the fixed part: no growth at all */
+    /* a budget under the fixed part: down to the smallest size */
     p = planner(o, 0);
     begin(&p, 64, OK);
     begin(&p, 64, HIGH);
-    mg_planner_end(&p, 32, (uint64_t)(a + b * 32));
-    mg_planner_end(&p, 64, (uint64_t)(a + b * 64));
+    mg_planner_end(&p, 32, (uint64_t)(a + b * 32), 0);
+    mg_planner_end(&p, 64, (uint64_t)(a + b * 64), 0);
     p.opts.budget_bytes = (uint64_t)(a / 2);
-    CHECK_EQ(calm(&p, 64, 5), 32);
-    CHECK_LAST(&p, "hold", "model", 32, 32);
+    CHECK_EQ(begin(&p, 64, OK), 1);
+    CHECK_LAST(&p, "shrink", "room", 32, 1);
+    CHECK_EQ(calm(&p, 64, 5), 1);
+    CHECK_LAST(&p, "hold", "at_min", 1, 1);
 
     /* decay: after the peaks double, the prediction follows the new data */
     p = planner(o, 0);
     for (int i = 0; i < 50; i++) {
-        mg_planner_end(&p, 8, (uint64_t)(a + b * 8));
-        mg_planner_end(&p, 16, (uint64_t)(a + b * 16));
+        mg_planner_end(&p, 8, (uint64_t)(a + b * 8), 0);
+        mg_planner_end(&p, 16, (uint64_t)(a + b * 16), 0);
     }
     for (int i = 0; i < 400; i++) {
-        mg_planner_end(&p, 8, (uint64_t)(2 * (a + b * 8)));
-        mg_planner_end(&p, 16, (uint64_t)(2 * (a + b * 16)));
+        mg_planner_end(&p, 8, (uint64_t)(2 * (a + b * 8)), 0);
+        mg_planner_end(&p, 16, (uint64_t)(2 * (a + b * 16)), 0);
     }
     CHECK_EQ(mg_planner_predict(&p, 32, &bytes), 0);
     CHECK_NEAR((double)bytes / (2 * (a + b * 32)), 1.0, 1e-3);
+}
+
+/* The live room: the planner jumps to the largest size that fits, in one
+ * decision, when the room falls or pressure rises, and grows back to it
+ * when the room returns; it halves where it has no model. */
+static void test_room_jumps(void)
+{
+    const double a = 100e6, b = 75e6; /* 100 MB + 75 MB per sample */
+    mg_planner_opts_t o = opts();
+    o.grow_after = 3;
+    mg_planner_t p = planner(o, 0);
+    uint64_t fits = 0xDEADBEEF;
+    CHECK_EQ(mg_planner_room_fit(&p, &fits), ENODATA); /* no budget, no model */
+    CHECK_EQ(fits, 0xDEADBEEF);
+    mg_planner_set_budget(&p, 5000000000ULL);
+    CHECK_EQ(mg_planner_room_fit(&p, &fits), ENODATA); /* no model yet */
+
+    /* at the whole batch, floors known: one size is enough to jump */
+    for (int i = 0; i < 4; i++) {
+        CHECK_EQ(begin(&p, 32, OK), 32);
+        mg_planner_end(&p, 32, (uint64_t)(a + b * 32), (uint64_t)a);
+    }
+    CHECK_EQ(mg_planner_room_fit(&p, &fits), 0);
+    CHECK_EQ(fits, 32);
+    /* the room falls to 1.3 GB: (0.9 * 1.3e9 - 1e8) / 7.5e7 = 14.3: 14
+     * fits, 11 balances 32 (three micro-batches either way) */
+    mg_planner_set_budget(&p, 1300000000ULL);
+    CHECK_EQ(mg_planner_room_fit(&p, &fits), 0);
+    CHECK_EQ(fits, 11);
+    CHECK_EQ(begin(&p, 32, OK), 11);
+    CHECK_LAST(&p, "shrink", "room", 32, 11);
+    mg_planner_end(&p, 11, (uint64_t)(a + b * 11), (uint64_t)a);
+    /* HIGH where the size fits: held, not halved */
+    CHECK_EQ(begin(&p, 32, HIGH), 11);
+    CHECK_LAST(&p, "hold", "fits", 11, 11);
+    CHECK_EQ(begin(&p, 32, CRIT), 11);
+    CHECK_LAST(&p, "hold", "fits", 11, 11);
+    /* HIGH with less room: the size that fits, in one decision */
+    mg_planner_set_budget(&p, 500000000ULL);
+    CHECK_EQ(begin(&p, 32, HIGH), 4); /* 4.7: 4 fits; 4 takes 8 micro-batches */
+    CHECK_LAST(&p, "shrink", "high", 11, 4);
+    /* an OOM: half at least (the model was wrong), less where the room says */
+    CHECK_EQ(oom(&p, 4), 2);
+    CHECK_LAST(&p, "shrink", "oom", 4, 2);
+    mg_planner_set_budget(&p, 150000000ULL);
+    CHECK_EQ(mg_planner_room_fit(&p, &fits), 0);
+    CHECK_EQ(fits, 0); /* not even 1 fits: 0.135e9 - 0.1e9 < 0.75e8 */
+    CHECK_EQ(oom(&p, 2), 1);
+    CHECK_EQ(begin(&p, 32, OK), 1);
+    CHECK_LAST(&p, "hold", "at_min", 1, 1);
+    /* the room comes back by a quarter and more since the last shrink:
+     * straight to what fits, without waiting for calm steps (a failed size
+     * still waits for retry_after) */
+    mg_planner_set_budget(&p, 180000000ULL); /* +20 %: not back */
+    CHECK_EQ(begin(&p, 32, OK), 1);
+    mg_planner_set_budget(&p, 5000000000ULL);
+    CHECK_EQ(begin(&p, 32, ELEV), 1); /* failed at 2: held */
+    CHECK_LAST(&p, "hold", "elevated", 1, 1);
+    p.failed = 0;
+    CHECK_EQ(begin(&p, 32, ELEV), 32);
+    CHECK_LAST(&p, "grow", "room_back", 1, 32);
+    CHECK_EQ(p.shrunk_room, 0);
+    /* after calm steps, growth goes to what fits too */
+    mg_planner_set_budget(&p, 1300000000ULL);
+    CHECK_EQ(begin(&p, 32, OK), 11);
+    CHECK_EQ(p.shrunk_room, 1300000000ULL);
+    mg_planner_set_budget(&p, 1500000000ULL); /* 17 fits, 16 balances; +15 % */
+    CHECK_EQ(calm(&p, 32, 2), 11);
+    CHECK_LAST(&p, "hold", "calm", 11, 11);
+    CHECK_EQ(begin(&p, 32, OK), 16);
+    CHECK_LAST(&p, "grow", "grow", 11, 16);
+
+    /* without a budget: halving and doubling, as before the model */
+    p = planner(o, 0);
+    CHECK_EQ(begin(&p, 32, OK), 32);
+    mg_planner_end(&p, 32, (uint64_t)(a + b * 32), (uint64_t)a);
+    CHECK_EQ(begin(&p, 32, HIGH), 16);
+    CHECK_LAST(&p, "shrink", "high", 32, 16);
+    CHECK_EQ(begin(&p, 32, CRIT), 4);
+    CHECK_EQ(calm(&p, 32, 3), 8);
+    CHECK_LAST(&p, "grow", "grow", 4, 8);
+    /* a budget but no model: the same */
+    p = planner(o, 0);
+    mg_planner_set_budget(&p, 1000);
+    CHECK_EQ(begin(&p, 32, OK), 32);
+    CHECK_EQ(begin(&p, 32, HIGH), 16);
+    CHECK_LAST(&p, "shrink", "high", 32, 16);
 }
 
 static void test_fixed(void)
@@ -732,7 +831,7 @@ static void run_random(mg_planner_opts_t o, int id, uint64_t seed, int steps)
             m = next;
         }
         if (lcg(&seed) % 4)
-            mg_planner_end(&p, m, 1000000 + m * 50000 + lcg(&seed) % 100000);
+            mg_planner_end(&p, m, 1000000 + m * 50000 + lcg(&seed) % 100000, 0);
         if (mgt_failures != before) {
             bad++;
             printf("  case %d step %d: batch %llu level %d -> %llu\n", id,
@@ -774,7 +873,7 @@ static void test_replay_and_copy(void)
                 if (mg_planner_oom(&p[k], m, &n) == 0)
                     m = n;
             }
-            mg_planner_end(&p[k], m, 1000000 + 60000 * m);
+            mg_planner_end(&p[k], m, 1000000 + 60000 * m, 0);
             sizes[k][i] = m;
         }
     }
@@ -785,7 +884,7 @@ static void test_replay_and_copy(void)
             if (mg_planner_oom(&mid, m, &n) == 0)
                 m = n;
         }
-        mg_planner_end(&mid, m, 1000000 + 60000 * m);
+        mg_planner_end(&mid, m, 1000000 + 60000 * m, 0);
         sizes[2][i] = m;
     }
     int same = 1, same_mid = 1, changes = 0;
@@ -874,6 +973,7 @@ int main(void)
     RUN(test_balanced_growth);
     RUN(test_failed_size_waits);
     RUN(test_model);
+    RUN(test_room_jumps);
     RUN(test_fixed);
     RUN(test_small_batches);
     RUN(test_replay_and_copy);

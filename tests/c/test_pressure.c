@@ -135,6 +135,20 @@ static void test_budget_signal(void)
     CHECK_EQ(s.raw_level, MG_LEVEL_OK);
     CHECK(!(s.have & MG_HAVE_BUDGET));
     CHECK(isnan(s.budget_used_fraction));
+
+    /* the footprint counts where known (swapped-out bytes are use), and
+     * memguard's cached blocks do not (they are room) */
+    s = with_budget(70, 100);
+    s.have |= MG_HAVE_FOOTPRINT;
+    s.footprint_bytes = 95; /* 25 in swap */
+    CHECK_EQ(raw_of(s, &r), MG_LEVEL_HIGH);
+    s.have |= MG_HAVE_ARENA;
+    s.arena_cached_bytes = 20;
+    CHECK_EQ(raw_of(s, &r), MG_LEVEL_OK);
+    s.arena_cached_bytes = 500; /* more cached than used: none used */
+    mg_pressure_init(&p, &o);
+    mg_pressure_update(&p, &s);
+    CHECK_NEAR(s.budget_used_fraction, 0.0, 0);
 }
 
 static void test_headroom_signal(void)
@@ -171,6 +185,21 @@ static void test_headroom_signal(void)
     mg_pressure_update(&p, &s);
     CHECK_NEAR(s.headroom_fraction, 0.0, 0);
     CHECK_EQ(s.raw_level, MG_LEVEL_CRITICAL);
+
+    /* memguard's cached blocks are headroom, on the host and in the cgroup */
+    s = with_memavail(5, 100);
+    s.have |= MG_HAVE_ARENA;
+    s.arena_cached_bytes = 11;
+    CHECK_EQ(raw_of(s, &r), MG_LEVEL_OK); /* 16 % */
+    s.have |= MG_HAVE_CGROUP | MG_HAVE_CGROUP_LIMIT | MG_HAVE_CGROUP_WS;
+    s.cgroup_limit_bytes = 100;
+    s.cgroup_working_set_bytes = 99;
+    CHECK_EQ(raw_of(s, &r), MG_LEVEL_ELEVATED); /* (100 - 99 + 11) / 100 */
+    CHECK_EQ(r, MG_REASON_HEADROOM);
+    s.arena_cached_bytes = 200; /* never more than all of it */
+    mg_pressure_init(&p, &o);
+    mg_pressure_update(&p, &s);
+    CHECK_NEAR(s.headroom_fraction, 1.0, 0);
 
     /* MemAvailable without MemTotal, or nothing at all: no headroom */
     s = blank();

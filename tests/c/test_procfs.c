@@ -14,11 +14,12 @@
 
 typedef enum {
     K_STATUS, K_MEMINFO, K_VMSTAT, K_PSI, K_STAT, K_STATM, K_CGROUP, K_LIMIT, K_CGSTAT,
-    K_CGEVENTS, K_COUNT
+    K_CGEVENTS, K_ROLLUP, K_PIDS, K_COUNT
 } kind_t;
 
 static const char *const kind_names[K_COUNT] = {
     "status", "meminfo", "vmstat", "psi", "stat", "statm", "cgroup", "limit", "cgstat", "cgevents",
+    "rollup", "pids",
 };
 
 typedef struct parsed {
@@ -33,6 +34,9 @@ typedef struct parsed {
     int unlimited;
     mgi_cgstat_t cgstat;
     mgi_cgevents_t cgevents;
+    uint64_t rollup;
+    uint32_t pids[8];
+    size_t n_pids;
 } parsed_t;
 
 static int parse(kind_t k, int version, const char *buf, size_t len, parsed_t *o, const char **why)
@@ -48,6 +52,10 @@ static int parse(kind_t k, int version, const char *buf, size_t len, parsed_t *o
     case K_LIMIT: return mgi_parse_limit(buf, len, &o->limit, &o->unlimited, why);
     case K_CGSTAT: return mgi_parse_cgstat(buf, len, version, &o->cgstat, why);
     case K_CGEVENTS: return mgi_parse_cgevents(buf, len, version, &o->cgevents, why);
+    case K_ROLLUP: return mgi_parse_rollup(buf, len, &o->rollup, why);
+    case K_PIDS:
+        o->n_pids = 0;
+        return mgi_parse_pids(buf, len, o->pids, 8, &o->n_pids, why);
     default: return EINVAL;
     }
 }
@@ -99,6 +107,11 @@ static int consistent(kind_t k, int version, const parsed_t *f, const parsed_t *
                                                     p->cgevents.oom == f->cgevents.oom;
         return p->cgevents.oom == f->cgevents.oom &&
                (!p->cgevents.have_oom_kill || p->cgevents.oom_kill == f->cgevents.oom_kill);
+    case K_ROLLUP:
+        return p->rollup == f->rollup;
+    case K_PIDS: /* a prefix of the pids, each whole */
+        return p->n_pids <= f->n_pids &&
+               memcmp(p->pids, f->pids, p->n_pids * sizeof(p->pids[0])) == 0;
     default:
         return 0;
     }
@@ -459,6 +472,8 @@ static const struct {
     {"v1_hybrid/cgroup/memory/training/job42/memory.limit_in_bytes", K_LIMIT, 1},
     {"v1_hybrid/cgroup/memory/training/job42/memory.stat", K_CGSTAT, 1},
     {"v1_hybrid/cgroup/memory/training/job42/memory.oom_control", K_CGEVENTS, 1},
+    {"tree/proc/4242/smaps_rollup", K_ROLLUP, 2},
+    {"tree/proc/self/task/100/children", K_PIDS, 2},
 };
 #define N_FUZZ (sizeof(fuzz_files) / sizeof(fuzz_files[0]))
 
@@ -580,6 +595,34 @@ static void test_random_input(void)
     CHECK_EQ(bad, 0);
 }
 
+/* The process tree's files: a child's private bytes, and pids lists. */
+static void test_tree_files(void)
+{
+    parsed_t o;
+    CHECK_EQ(load("tree/proc/4242/smaps_rollup", K_ROLLUP, 2, &o), 0);
+    CHECK_EQ(o.rollup, (1024 + 51200 + 2048) * KiB); /* private clean, dirty, SwapPss */
+    CHECK_EQ(load("tree/proc/4244/smaps_rollup", K_ROLLUP, 2, &o), 0);
+    CHECK_EQ(o.rollup, 10240 * KiB);
+    CHECK_EQ(load("tree/proc/self/task/100/children", K_PIDS, 2, &o), 0);
+    CHECK_EQ(o.n_pids, 2);
+    CHECK_EQ(o.pids[0], 4242);
+    CHECK_EQ(o.pids[1], 4243);
+    CHECK_EQ(load("tree/proc/self/task/101/children", K_PIDS, 2, &o), 0);
+    CHECK_EQ(o.n_pids, 0);
+    /* appended to what is there, none twice, at most cap */
+    uint32_t pids[3] = {4243, 0, 0};
+    size_t n = 1;
+    const char *why = NULL;
+    CHECK_EQ(mgi_parse_pids("4242 4243 7 9 ", 14, pids, 3, &n, &why), 0);
+    CHECK_EQ(n, 3);
+    CHECK_EQ(pids[1], 4242);
+    CHECK_EQ(pids[2], 7);
+    /* the rows before a bad one were taken */
+    n = 0;
+    CHECK_EQ(mgi_parse_pids("12 x ", 5, pids, 3, &n, &why), EBADMSG);
+    CHECK_EQ(n, 1);
+}
+
 int main(int argc, char **argv)
 {
     mgt_begin();
@@ -591,6 +634,7 @@ int main(int argc, char **argv)
     RUN(test_cgroup_paths);
     RUN(test_cgroup_files);
     RUN(test_parse_double);
+    RUN(test_tree_files);
     RUN(test_bad_files);
     RUN(test_truncated_everywhere);
     RUN(test_corrupted_everywhere);

@@ -111,7 +111,7 @@ static const scenario_t scenarios[] = {
 static void check_sample(const scenario_t *e, const mg_sample_t *s)
 {
     uint64_t have = MG_HAVE_STATUS | MG_HAVE_FAULTS | MG_HAVE_MEMINFO | MG_HAVE_VMSTAT |
-                    MG_HAVE_CGROUP | MG_HAVE_CGROUP_WS | MG_HAVE_HEADROOM;
+                    MG_HAVE_CGROUP | MG_HAVE_CGROUP_WS | MG_HAVE_HEADROOM | MG_HAVE_FOOTPRINT;
     have |= e->have_swap ? MG_HAVE_SWAP : 0;
     have |= e->have_avail ? MG_HAVE_MEMAVAIL : 0;
     have |= e->have_psi ? MG_HAVE_PSI | MG_HAVE_PSI_FULL : 0;
@@ -131,6 +131,8 @@ static void check_sample(const scenario_t *e, const mg_sample_t *s)
     CHECK_EQ(s->rss_bytes, rss);
     CHECK_EQ(s->rss_peak_bytes, e->hwm_kb * KiB > rss ? e->hwm_kb * KiB : rss);
     CHECK_EQ(s->swap_bytes, e->swap_kb * KiB);
+    CHECK_EQ(s->footprint_bytes, rss + e->swap_kb * KiB); /* no task directories: no tree */
+    CHECK_EQ(s->children, 0);
     CHECK_EQ(s->minor_faults, e->minflt);
     CHECK_EQ(s->major_faults, e->majflt);
     CHECK(isnan(s->minor_faults_per_s) && isnan(s->major_faults_per_s)); /* first sample */
@@ -207,18 +209,67 @@ static void test_budget_on_fixture(void)
     mg_sampler_t *s = make("nscgroup", 100000, 16);
     if (!s)
         return;
-    uint64_t rss = 38400 * page;
+    uint64_t rss = 38400 * page, swap = 512 * KiB, foot = rss + swap;
     mg_sample_t a;
-    mg_sampler_set_budget(s, rss * 2);
+    mg_sampler_set_budget(s, foot * 2);
     CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
     CHECK(a.have & MG_HAVE_BUDGET);
-    CHECK_EQ(a.budget_bytes, rss * 2);
-    CHECK_NEAR(a.budget_used_fraction, 0.5, 1e-12);
+    CHECK_EQ(a.budget_bytes, foot * 2);
+    CHECK_EQ(a.user_budget_bytes, foot * 2);
+    CHECK_EQ(a.budget_source, MG_BUDGET_SRC_USER);
+    CHECK_NEAR(a.budget_used_fraction, 0.5, 1e-12); /* swapped-out bytes count */
     CHECK_EQ(a.level, MG_LEVEL_OK);
-    mg_sampler_set_budget(s, rss + rss / 50); /* 98 % used */
+    mg_sampler_set_budget(s, foot + foot / 50); /* 98 % used */
     CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
     CHECK_EQ(a.raw_level, MG_LEVEL_CRITICAL);
     CHECK_EQ(a.reasons, MG_REASON_BUDGET);
+    mg_sampler_destroy(s);
+}
+
+/* The process tree (tests/fixtures/proc/tree): two children read (one
+ * listed child is gone), their own bytes in the footprint; a live sampler
+ * judges against the least of the cgroup's room and the host's. */
+static void test_tree_and_live(void)
+{
+    mg_sampler_t *s = make("tree", 100000, 16);
+    if (!s)
+        return;
+    uint64_t rss = 25600 * page, swap = 2048 * KiB;
+    uint64_t kids = (1024 + 51200 + 2048 + 10240) * KiB;
+    mg_sample_t a;
+    CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
+    CHECK(a.have & MG_HAVE_CHILDREN);
+    CHECK(a.have & MG_HAVE_FOOTPRINT);
+    CHECK_EQ(a.children, 2);
+    CHECK_EQ(a.children_bytes, kids);
+    CHECK_EQ(a.footprint_bytes, rss + swap + kids);
+    CHECK_EQ(a.budget_bytes, 0);
+    CHECK_EQ(a.budget_source, MG_BUDGET_SRC_NONE);
+
+    /* live: the cgroup (8 GiB less what others use: its working set less
+     * the tree's resident bytes) against the host (resident + MemAvailable
+     * less the HIGH headroom, 8 % of MemTotal) */
+    mg_sampler_set_live(s, 1);
+    CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
+    uint64_t resident = rss + kids, ws = 2684354560ULL;
+    uint64_t cg = 8589934592ULL - (ws - resident);
+    uint64_t host = resident + 16384000 * KiB - (uint64_t)(0.08 * (double)(32768000 * KiB));
+    CHECK_EQ(a.budget_bytes, cg < host ? cg : host);
+    CHECK_EQ(a.budget_source, cg < host ? MG_BUDGET_SRC_CGROUP : MG_BUDGET_SRC_HOST);
+    CHECK_EQ(a.user_budget_bytes, 0);
+    CHECK_NEAR(a.budget_used_fraction, (double)(rss + swap + kids) / (double)a.budget_bytes,
+               1e-12);
+    /* a budget asked for caps it */
+    mg_sampler_set_budget(s, 1 << 30);
+    CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
+    CHECK_EQ(a.budget_bytes, 1 << 30);
+    CHECK_EQ(a.budget_source, MG_BUDGET_SRC_USER);
+    CHECK_EQ(a.user_budget_bytes, 1 << 30);
+    mg_sampler_set_live(s, 0);
+    mg_sampler_set_budget(s, 0);
+    CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
+    CHECK_EQ(a.budget_bytes, 0);
+    CHECK(!(a.have & MG_HAVE_BUDGET));
     mg_sampler_destroy(s);
 }
 
@@ -547,6 +598,7 @@ int main(int argc, char **argv)
     page = (uint64_t)sysconf(_SC_PAGESIZE);
     RUN(test_scenarios);
     RUN(test_budget_on_fixture);
+    RUN(test_tree_and_live);
     RUN(test_create_errors);
     RUN(test_empty_roots);
     RUN(test_ring);

@@ -1,0 +1,234 @@
+"""Memory that follows the machine: real training under a real memory limit
+that changes mid-run, the plain loop and memguard side by side.
+
+A ViT-S/16 with LoRA adapters (peft), batch 32 at 224 px, 2 threads (the
+first user's story; ``pressure.py`` builds it) trains inside a memory cgroup
+(v1 or v2) with a swap file the benchmark creates and removes; its plain
+loop needs about twice the limit. Each configuration is one run in a fresh
+process (pytest-benchmark times the run); the figures are its steps:
+
+(a) the limit below the need from the start;
+(b) the limit lowered mid-run, from above the plain loop's need to below it;
+(c) the limit raised again (the same run as (b), continued).
+
+Targets (figures, not timed tests):
+
+- (a) memguard's throughput is at least 4x the plain loop's;
+- (b) memguard settles within 2 steps of the drop, to at least 0.9x of
+  (a)'s memguard throughput; major faults a step fall to 1 % or less of the
+  first post-drop step's; the process's swap is 5 % of its RSS or less; it
+  never plans below half the size (a) chose;
+- (c) it grows back to the whole batch within grow_after + 2 steps;
+- at every step boundary, the arena's reserved bytes are at most 1.25x the
+  recent peak allocated, plus 64 MiB.
+
+The plain loop swaps for tens of seconds a step: it is stopped once it has
+run ``plain_max_s`` seconds. Without root, a memory cgroup or swap, the
+benchmark skips and says why.
+
+    pytest benchmarks/bench_pressure.py --benchmark-only
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import pytest
+
+from benchlib import Figures, fmt, ratio, verdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+
+import pressure
+from memguard import limits
+
+MiB = 2**20
+SECTION = "pressure"
+TITLE = "pressure: ViT-S/16 + LoRA under a memory cgroup with swap, the limit changed mid-run"
+GROW_AFTER = 8   # Guard's default
+TARGETS = {"a_throughput": 4.0, "b_settle_steps": 2, "b_throughput": 0.9,
+           "b_faults": 0.01, "b_swap_share": 0.05, "b_min_micro": 0.5,
+           "c_steps": GROW_AFTER + 2, "boundary_factor": 1.25, "boundary_slack": 64 * MiB}
+
+#: limit (a) and after the drop, limit before it and after the rise, swap
+#: file, steps of (a), steps before the drop, after it, after the rise, the
+#: plain loop's time cap
+FULL = {"model": pressure.VIT_S16, "limit": 2200 * MiB, "high": 5000 * MiB,
+        "swap": 4 << 30, "a_steps": 8, "pre": 4, "post": 10, "rise": 12, "plain_max_s": 100}
+QUICK = {"model": pressure.Model(img=112, batch=64), "limit": 900 * MiB,
+         "high": 3000 * MiB, "swap": 2 << 30, "a_steps": 3, "pre": 2, "post": 4, "rise": 4,
+         "plain_max_s": 30}
+
+
+@pytest.fixture(scope="module")
+def settings(quick: bool) -> dict:
+    return QUICK if quick else FULL
+
+
+@pytest.fixture(scope="module")
+def swap(figures: Figures, settings: dict):
+    why = limits.unavailable()
+    if why:
+        figures.skip(SECTION, TITLE, f"not measured: {why}")
+        pytest.skip(why)
+    try:
+        with limits.SwapFile(settings["swap"]) as sw:
+            yield sw
+    except limits.LimitUnavailable as exc:
+        figures.skip(SECTION, TITLE, f"not measured: {exc}")
+        pytest.skip(str(exc))
+
+
+def _run(benchmark, figures: Figures, settings: dict, mode: str, scenario: str) -> None:
+    figures.section(SECTION, TITLE, summarize)
+    s = settings
+    if scenario == "a":
+        limit, schedule, steps = s["limit"], [], s["a_steps"]
+    else:
+        drop = s["pre"] - 1
+        rise = drop + s["post"]
+        limit, steps = s["high"], s["pre"] + s["post"] + s["rise"]
+        schedule = [(drop, s["limit"]), (rise, s["high"])]
+    out: dict = {}
+    benchmark.group = "pressure: whole run"
+    benchmark.pedantic(lambda: out.update(r=pressure.run(
+        mode, limit, schedule, steps=steps, model=s["model"],
+        max_seconds=s["plain_max_s"] if mode == "plain" else None)), rounds=1, iterations=1)
+    r: pressure.Result = out["r"]
+    fig = {"mode": mode, "scenario": scenario, "steps": r.steps, "schedule": r.schedule,
+           "killed": r.killed, "stopped_by_time": r.stopped_by_time,
+           "returncode": r.returncode, "batch": s["model"].batch,
+           "limit": s["limit"], "high": s["high"], "pre": s["pre"], "post": s["post"]}
+    if mode == "memguard" and r.returncode != 0:
+        pytest.fail(f"memguard's run failed (status {r.returncode}):\n{r.stderr}")
+    benchmark.extra_info.update(steps_done=len(r.steps), killed=r.killed)
+    figures.record(SECTION, benchmark.fullname, fig)
+
+
+@pytest.mark.parametrize("mode", ["plain", "memguard"])
+def test_limit_from_start(benchmark, figures: Figures, settings: dict, swap, mode: str) -> None:
+    """(a): the limit below the plain loop's need from the first step."""
+    _run(benchmark, figures, settings, mode, "a")
+
+
+@pytest.mark.parametrize("mode", ["plain", "memguard"])
+def test_limit_lowered_then_raised(benchmark, figures: Figures, settings: dict, swap,
+                                   mode: str) -> None:
+    """(b) and (c): above the need, lowered below it mid-run, raised again."""
+    _run(benchmark, figures, settings, mode, "bc")
+
+
+# ------------------------------------------------------------------ summary
+def _median_s(steps: list[dict]) -> float | None:
+    """Median seconds a step, leaving out the first step of a run (start-up)."""
+    xs = [s["seconds"] for s in steps if s["step"] > 0] or [s["seconds"] for s in steps]
+    return statistics.median(xs) if xs else None
+
+
+def _steps_line(steps: list[dict]) -> str:
+    return " ".join(f"{s['seconds']:.1f}s@{s['micro']}" for s in steps)
+
+
+def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
+    by = {(r["mode"], r["scenario"]): r for r in records}
+    lines: list[str] = []
+    data: dict = {"measured": True, "targets": TARGETS}
+    per_test: dict[str, dict] = {}
+    first = records[0]
+    batch = first["batch"]
+    lines.append(f"limit {first['limit'] / MiB:,.0f} MiB ((a); (b) from "
+                 f"{first['high'] / MiB:,.0f} MiB after step {first['pre'] - 1}, "
+                 f"(c) back after {first['post']} more); batch {batch}; seconds@micro-batch "
+                 "per step")
+    pa, ma = by.get(("plain", "a")), by.get(("memguard", "a"))
+    a_s = _median_s(ma["steps"]) if ma else None
+    a_micro = statistics.mode(s["micro"] for s in ma["steps"][1:] or ma["steps"]) if ma else None
+    for r in (pa, ma):
+        if r:
+            end = " (killed by the kernel)" if r["killed"] else \
+                " (stopped: time cap)" if r["stopped_by_time"] else ""
+            last = r["steps"][-1] if r["steps"] else {}
+            lines.append(f"(a) {r['mode']:9} {_steps_line(r['steps'])}{end}; swap at the end "
+                         f"{last.get('swap_bytes', 0) / MiB:,.0f} MiB")
+    if pa and ma:
+        tp = ratio(_median_s(pa["steps"]), a_s)
+        data["a"] = {"throughput_ratio": tp, "memguard_step_s": a_s, "micro": a_micro,
+                     "plain_step_s": _median_s(pa["steps"]), "plain_killed": pa["killed"]}
+        v = verdict(tp, TARGETS["a_throughput"], higher_is_better=True)
+        per_test[ma["nodeid"]] = {"throughput_vs_plain": tp}
+        lines.append(f"(a) memguard / plain throughput {fmt(tp)}x (target >= "
+                     f"{TARGETS['a_throughput']:.0f}x)  {v}")
+    pb, mb = by.get(("plain", "bc")), by.get(("memguard", "bc"))
+    if pb:
+        post = [s for s in pb["steps"] if s["step"] >= pb["pre"]]
+        lines.append(f"(b) plain     before {_steps_line(pb['steps'][:pb['pre']])} | after the drop "
+                     f"{_steps_line(post) or '-'}" + (" (killed)" if pb["killed"] else
+                                                     " (stopped: time cap)" if
+                                                     pb["stopped_by_time"] else ""))
+    if mb:
+        data.update(_memguard_bc(mb, a_s, a_micro, lines, per_test))
+    return lines, data, per_test
+
+
+def _memguard_bc(mb: dict, a_s: float | None, a_micro: int | None, lines: list[str],
+                 per_test: dict) -> dict:
+    pre, post_n = mb["pre"], mb["post"]
+    steps = mb["steps"]
+    post = steps[pre:pre + post_n]
+    after_rise = steps[pre + post_n:]
+    lines.append(f"(b) memguard  before {_steps_line(steps[:pre])} | after the drop "
+                 f"{_steps_line(post)}")
+    lines.append(f"(c) memguard  after the rise {_steps_line(after_rise)}")
+    # settled: from this post-drop step on, every step at 0.9x (a)'s throughput
+    settle = None
+    if a_s:
+        slow = [i for i, s in enumerate(post) if s["seconds"] > a_s / TARGETS["b_throughput"]]
+        settle = (slow[-1] + 1) if slow else 0
+    settled = post[settle:] if settle is not None and settle < len(post) else []
+    tp = ratio(a_s, _median_s(settled)) if settled else None
+    f1 = post[0]["major_faults"] if post else 0
+    tail = max((s["major_faults"] for s in post[-3:]), default=None)
+    faults = ratio(tail, f1) if f1 else 0.0
+    last = post[-1] if post else {}
+    swap = ratio(last.get("swap_bytes"), last.get("rss_bytes"))
+    low = min((s["micro"] for s in post), default=None)
+    low_ratio = ratio(low, a_micro)
+    full = mb["batch"]
+    grown = next((i + 1 for i, s in enumerate(after_rise) if s["micro"] >= full), None)
+    worst, bad = pressure.boundary_bound(steps, TARGETS["boundary_factor"],
+                                         TARGETS["boundary_slack"])
+    b = {"settle_steps": settle, "throughput_ratio": tp, "faults_ratio": faults,
+         "first_post_drop_faults": f1, "tail_faults": tail, "swap_share": swap,
+         "min_micro": low, "min_micro_ratio": low_ratio}
+    c = {"steps_to_full": grown}
+    v = {"b_settle_steps": verdict(settle, TARGETS["b_settle_steps"]),
+         "b_throughput": verdict(tp, TARGETS["b_throughput"], higher_is_better=True),
+         "b_faults": verdict(faults, TARGETS["b_faults"]),
+         "b_swap_share": verdict(swap, TARGETS["b_swap_share"]),
+         "b_min_micro": verdict(low_ratio, TARGETS["b_min_micro"], higher_is_better=True),
+         "c_steps": verdict(grown, TARGETS["c_steps"]),
+         "boundary": "PASS" if worst is not None and bad == 0 else "OVER" if bad else "-"}
+    lines.append(f"(b) settles after {fmt(settle, 'd')} post-drop step(s) (target <= "
+                 f"{TARGETS['b_settle_steps']})  {v['b_settle_steps']}; throughput then "
+                 f"{fmt(tp)}x of (a)'s (target >= {TARGETS['b_throughput']})  {v['b_throughput']}")
+    lines.append(f"(b) major faults a step: first after the drop {f1:,}, the last three at most "
+                 f"{fmt(tail, ',')} = {fmt(faults, '.4f')} of it (target <= "
+                 f"{TARGETS['b_faults']})  {v['b_faults']}")
+    lines.append(f"(b) swap {last.get('swap_bytes', 0) / MiB:,.0f} MiB of RSS "
+                 f"{last.get('rss_bytes', 0) / MiB:,.0f} MiB = {fmt(swap, '.3f')} (target <= "
+                 f"{TARGETS['b_swap_share']})  {v['b_swap_share']}; smallest micro-batch "
+                 f"{fmt(low, 'd')} against (a)'s {fmt(a_micro, 'd')} (target >= half)  "
+                 f"{v['b_min_micro']}")
+    lines.append(f"(c) whole batch again {fmt(grown, 'd')} step(s) after the rise (target <= "
+                 f"{TARGETS['c_steps']})  {v['c_steps']}")
+    lines.append(f"boundaries: reserved at most {fmt(worst, '.3f')} of 1.25 x recent peak + "
+                 f"64 MiB, {bad} over  {v['boundary']}")
+    per_test[mb["nodeid"]] = {"settle_steps": settle, "throughput_vs_a": tp,
+                              "steps_to_full_after_rise": grown}
+    return {"b": b, "c": c, "boundary_worst": worst, "boundary_over": bad, "verdict": v}
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "--benchmark-only", *sys.argv[1:]]))
