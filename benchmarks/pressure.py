@@ -69,12 +69,13 @@ class Result:
 
 def run(mode: str, limit: int, schedule: list[tuple[int, int]] = (), *, steps: int,
         model: Model = VIT_S16, max_seconds: float | None = None, threads: int = 2,
-        timeout_s: float = 900) -> Result:
+        timeout_s: float = 900, telemetry: str | None = None) -> Result:
     """Train ``steps`` steps of ``model`` in ``mode`` (``"plain"`` or
     ``"memguard"``) inside a new memory cgroup with ``limit`` bytes; the
     limit becomes ``b`` once step ``k`` is done, for each ``(k, b)`` of
     ``schedule``. A plain run that swaps may take minutes a step:
     ``max_seconds`` stops it after the first step past that time.
+    ``telemetry``: memguard's samples and decisions go to this ``.jsonl``.
 
     Raises:
         memguard.limits.LimitUnavailable: no memory cgroup can be made here.
@@ -83,6 +84,8 @@ def run(mode: str, limit: int, schedule: list[tuple[int, int]] = (), *, steps: i
 
     cmd = [sys.executable, "-u", os.path.abspath(__file__), "worker", f"--mode={mode}",
            f"--steps={steps}", f"--threads={threads}", *model.args()]
+    if telemetry:
+        cmd.append(f"--telemetry={os.path.abspath(telemetry)}")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"),
                                          env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -210,6 +213,7 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--mode", choices=("plain", "memguard"), required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--telemetry", default=None)
     for f in dataclasses.fields(Model):
         p.add_argument(f"--{f.name}", type=int, default=f.default)
     a = p.parse_args(argv)
@@ -227,7 +231,7 @@ def worker(argv: list[str]) -> int:
         import memguard
         from memguard import _C
 
-        guard = memguard.Guard(budget="auto").install()
+        guard = memguard.Guard(budget="auto", telemetry=a.telemetry).install()
     for i in range(a.steps):
         t0 = time.perf_counter()
         flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt

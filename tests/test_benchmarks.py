@@ -37,7 +37,8 @@ def test_suite_is_collected_from_the_benchmarks_directory(tmp_path) -> None:
                    "benchmarks/bench_throttle.py::test_oom_step[recovered]",
                    "benchmarks/bench_throttle.py::test_constrained[accelerate]",
                    "benchmarks/bench_sampler.py::test_sampler_thread[100]",
-                   "benchmarks/bench_cuda.py::test_cuda_budget_held"):
+                   "benchmarks/bench_cuda.py::test_cuda_budget_held",
+                   "benchmarks/bench_pressure.py::test_limit_lowered_then_raised[memguard]"):
         assert wanted in ids, sorted(ids)
     # and `make test` does not run them: tests/ is the only test path
     out = run_bench(tmp_path, "--collect-only", "-q")
@@ -153,3 +154,48 @@ def test_cpu_allocator_summary_flags_a_step_target_below_the_kernel_floor() -> N
     assert data["vit-b8"]["memguard-inprocess"]["kernel_floor"] == 0.98
     assert data["vit-b8"]["glibc"]["warmup_faults"] == [5000, 12]
     assert "  faults a warm-up step: glibc 5,000, 12; memguard-inprocess 5,000, 12" in lines
+
+
+def test_pressure_summary_judges_each_target_from_the_steps() -> None:
+    """bench_pressure's verdicts from made-up runs: (a) 4 steps of plain at
+    20 s, memguard at 4 s; (b) the drop after step 1, two slow steps, then
+    (a)'s speed; (c) the whole batch one step after the rise."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_pressure as bench
+
+    MiB = 2**20
+
+    def step(i, s, micro, faults=0, swap=0, peak=1000 * MiB, boundary=1000 * MiB):
+        return {"step": i, "seconds": s, "micro": micro, "major_faults": faults,
+                "swap_bytes": swap, "rss_bytes": 2000 * MiB, "peak_bytes": peak,
+                "boundary_reserved_bytes": boundary}
+
+    common = {"batch": 32, "limit": 2200 * MiB, "high": 5000 * MiB, "pre": 2, "post": 6,
+              "killed": False, "stopped_by_time": False}
+    a_plain = dict(common, mode="plain", scenario="a", nodeid="a-plain",
+                   steps=[step(i, 20.0, 32) for i in range(4)])
+    a_mg = dict(common, mode="memguard", scenario="a", nodeid="a-mg",
+                steps=[step(0, 8.0, 16)] + [step(i, 4.0, 16) for i in range(1, 6)])
+    post = [step(2, 16.0, 32, faults=100000), step(3, 8.0, 16, faults=5000)] + \
+        [step(i, 4.0, 16, faults=i % 2) for i in range(4, 8)]
+    b_mg = dict(common, mode="memguard", scenario="bc", nodeid="bc-mg",
+                steps=[step(0, 6.0, 32), step(1, 4.0, 32)] + post +
+                [step(8, 4.0, 16), step(9, 6.0, 32), step(10, 4.0, 32)])
+    lines, data, per_test = bench.summarize([a_plain, a_mg, b_mg])
+    v = data["verdict"]
+    assert data["a"]["throughput_ratio"] == 5.0
+    # from the third post-drop step on: 4 x 4 s, (a)'s own speed
+    assert data["b"]["settle_steps"] == 2 and v["b_settle_steps"] == "PASS"
+    assert data["b"]["faults_ratio"] == 1 / 100000 and v["b_faults"] == "PASS"
+    assert v["b_swap_share"] == "PASS" and v["b_min_micro"] == "PASS"
+    assert data["c"]["steps_to_full"] == 2 and v["c_steps"] == "PASS"
+    assert v["boundary"] == "PASS" and per_test["bc-mg"]["settle_steps"] == 2
+    # a run that never settles and plans below half of (a)'s size
+    slow = dict(b_mg, steps=[step(0, 6.0, 32), step(1, 4.0, 32)] +
+                [step(i, 9.0, 4, swap=500 * MiB) for i in range(2, 8)])
+    _, data, _ = bench.summarize([a_plain, a_mg, slow])
+    v = data["verdict"]
+    assert data["b"]["settle_steps"] is None and v["b_settle_steps"] == "-"
+    assert v["b_min_micro"] == "UNDER" and v["b_swap_share"] == "OVER"
+    assert data["c"]["steps_to_full"] is None
+    assert any("(a) memguard / plain throughput 5.00x" in ln for ln in lines)

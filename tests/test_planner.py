@@ -430,3 +430,39 @@ def test_binding_basics():
         assert "%g" not in str(e.value) and f"margin {bad.get('margin', 0.1):g} " in str(e.value)
     with pytest.raises(TypeError):
         _C.Planner(8)  # keyword-only
+
+
+# -- a real run, replayed ------------------------------------------------------
+
+VIT_TRACE = TRACES / "vit_limit_drop.jsonl"
+
+
+def test_a_real_runs_decisions_replay_through_the_planner():
+    """The guard's step events of a real run (benchmarks/pressure.py: ViT-S/16
+    + LoRA, batch 32, in a cgroup whose limit fell from 5000 to 2200 MiB
+    after step 3 and rose again after step 13) carry the planner's inputs:
+    replayed through a fresh planner, every decision comes out the same."""
+    lines = [json.loads(line) for line in VIT_TRACE.read_text().splitlines()]
+    steps = [r for r in lines if r.get("event") == "step"]
+    assert lines[0]["type"] == "meta" and len(steps) == 22
+    p = _C.Planner()                       # the guard's defaults
+    for s in steps:
+        assert s["retries"] == 0           # (this run had no out-of-memory error)
+        p.set_budget(s["planner_budget_bytes"])
+        micro = p.begin(s["batch"], s["level"])
+        st_ = p.state()
+        assert (micro, st_["action"], st_["reason"]) == \
+            (s["micro_batch"], s["action"], s["reason"]), s["step"]
+        p.end(micro, s["peak_bytes"], s["floor_bytes"])
+    sizes = [s["micro_batch"] for s in steps]
+    why = [s["reason"] for s in steps]
+    # the drop is met in one decision, 32 straight to the 16 that fits
+    # (0.9 x 1.9 GB less the floor over 75 MB a sample), and held there
+    first = sizes.index(16)
+    assert sizes[:first] == [32] * first and set(sizes[first:first + 10]) == {16}
+    assert steps[first]["planner_budget_bytes"] < 2200 * 2**20 < \
+        steps[first - 1]["planner_budget_bytes"]
+    # the room back: the whole batch at the first boundary that sees it
+    back = sizes.index(32, first)
+    assert why[back] == "room_back" and steps[back]["planner_budget_bytes"] > 4000 * 2**20
+    assert steps[back - 1]["planner_budget_bytes"] < 2200 * 2**20

@@ -472,3 +472,85 @@ def test_version_1_files_still_read(tmp_path):
     meta, samples, _ = read_jsonl(FIXTURES / "traces" / "demo_validation_leak.jsonl")
     assert meta["schema_version"] == 1 and samples
     assert samples[0].arena_reserved_bytes is None
+
+
+# -- the process tree ------------------------------------------------------------
+MiB = 2**20
+
+
+def _children_with(n: int, mib: int) -> list:
+    """n forked children, each writing mib MiB of its own and waiting on a
+    pipe; returns (pid, write end) pairs."""
+    kids = []
+    for _ in range(n):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            own = bytearray(mib << 20)
+            for i in range(0, len(own), 4096):
+                own[i] = 1
+            os.write(2, b"")           # touched: ready
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+        kids.append((pid, w))
+    return kids
+
+
+def test_the_footprint_counts_forked_children_once() -> None:
+    """Each child's own pages are counted; what it shares with this process
+    (every page of the parent it did not write) is not counted again."""
+    base = memguard.Sampler().sample_now()
+    assert base.children == 0 and base.children_bytes == 0
+    shared = bytearray(96 << 20)                 # the parent's, shared with the children
+    for i in range(0, len(shared), 4096):
+        shared[i] = 1
+    kids = _children_with(2, 48)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            s = memguard.Sampler().sample_now()
+            if s.children_bytes >= 96 * MiB or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert s.children == 2
+        # their 2 x 48 MiB and a little of their own, not the parent's 96 MiB twice more
+        assert 96 * MiB <= s.children_bytes < (96 + 2 * 40) * MiB
+        assert s.footprint_bytes == s.rss_bytes + (s.swap_bytes or 0) + s.children_bytes
+    finally:
+        for pid, w in kids:
+            os.write(w, b"x")
+            os.close(w)
+            os.waitpid(pid, 0)
+    assert memguard.Sampler().sample_now().children == 0
+
+
+def test_dataloader_workers_are_in_the_footprint() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, Dataset
+
+    class Heavy(Dataset):
+        """Each worker builds 32 MiB of its own when it starts."""
+
+        buf = None
+
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int):
+            return torch.zeros(4)
+
+    def start(_worker: int) -> None:
+        Heavy.buf = torch.ones(32 << 20, dtype=torch.uint8)
+
+    loader = DataLoader(Heavy(), batch_size=4, num_workers=2, persistent_workers=True,
+                        worker_init_fn=start)
+    it = iter(loader)
+    next(it)
+    next(it)
+    s = memguard.Sampler().sample_now()
+    assert s.children >= 2
+    assert s.children_bytes >= 64 * MiB
+    assert s.footprint_bytes >= s.rss_bytes + 64 * MiB
+    del it, loader

@@ -709,7 +709,9 @@ class Guard:
         self._follow_room(level)
         self._floor = self._peak.start(batch)
         self._sync_budget()
-        micro = int(self._planner.begin(n, self._checkpoint_hold(level)))
+        plan_level = self._checkpoint_hold(level)
+        plan_budget = self._planner_budget
+        micro = int(self._planner.begin(n, plan_level))
         if peers is not None:
             agreed = peers.agree([micro])[0]     # the smallest proposal
             if agreed < micro:
@@ -818,7 +820,8 @@ class Guard:
             self.ooms_recovered += 1
             self.micro_batch_changes += 1
             self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
-                        micro_batch=int(nxt), peer=peer_oom is not None)
+                        micro_batch=int(nxt), peer=peer_oom is not None,
+                        planner_budget_bytes=self._planner_budget)
             micro = int(nxt)
         if deferred:
             peers.finish(used_anywhere)
@@ -838,9 +841,12 @@ class Guard:
         res = StepResult(loss=loss, micro_batch=micro, n_micro=n_micro, retries=len(tried),
                          peak_bytes=peak, aux=aux, weight=weight, tried=tried)
         self.last = res
+        # with the planner's inputs, so a recorded run replays through it
         self._event("step", step=self.steps, micro_batch=micro, n_micro=n_micro,
                     retries=len(tried), peak_bytes=peak, loss=loss,
-                    action=plan["action"], reason=plan["reason"])
+                    action=plan["action"], reason=plan["reason"], batch=n,
+                    level=int(plan_level), planner_budget_bytes=plan_budget,
+                    floor_bytes=self._floor)
         self.steps += 1
         return res
 
