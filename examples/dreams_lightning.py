@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import memguard
 from memguard.lightning import MemGuardCallback, MemGuardModule
 
 MAX_PEAKS = 64

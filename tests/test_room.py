@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import memguard
-from memguard import _C, Guard, allocator, room
+from memguard import Guard, allocator, room
 from memguard.room import Room
 
 MiB = 2**20
