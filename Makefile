@@ -28,14 +28,14 @@ test: build
 ctest: build
 	$(PY) -m pytest -q tests/test_c.py
 
-# The main job on its embedded defaults: DINO multi-crop under a budget that
-# makes the throttle act, then the report of its telemetry.
+# The main job on its embedded defaults: a ViT trained under a memory limit,
+# the plain loop and then memguard, side by side (memguard alone under a
+# budget where no limit can be set), then the report of memguard's run.
 demo: build
 	@mkdir -p out
-	$(PY) examples/dino_multicrop.py --telemetry out/demo-telemetry.jsonl
-	$(PY) -m memguard report out/demo-telemetry.jsonl -o out/demo-report.png
-	$(PY) -m memguard report out/demo-telemetry.jsonl -o out/demo-report.html
-	@echo "telemetry: out/demo-telemetry.jsonl; report: out/demo-report.png (and .html)"
+	$(PY) -m memguard demo --out out
+	$(PY) -m memguard report out/demo-memguard.jsonl -o out/demo-memguard.html
+	@echo "side by side: out/demo-report.png; memguard's run: out/demo-memguard.html"
 
 # memguard's benchmarks, a pytest-benchmark suite: timings of each configuration,
 # the side-by-side ratios in the terminal summary and in out/bench.json; each run

@@ -2,7 +2,7 @@
 that changes mid-run, the plain loop and memguard side by side.
 
 A ViT-S/16 with LoRA adapters (peft), batch 32 at 224 px, 2 threads (the
-first user's story; ``pressure.py`` builds it) trains inside a memory cgroup
+first user's story; ``memguard.workload`` builds it) trains inside a memory cgroup
 (v1 or v2) with a swap file the benchmark creates and removes; its plain
 loop needs about twice the limit. Each configuration is one run in a fresh
 process (pytest-benchmark times the run); the figures are its steps:
@@ -42,8 +42,7 @@ from benchlib import Figures, fmt, ratio, verdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
-import pressure
-from memguard import limits
+from memguard import limits, workload
 
 MiB = 2**20
 SECTION = "pressure"
@@ -56,9 +55,9 @@ TARGETS = {"a_throughput": 4.0, "b_settle_steps": 2, "b_throughput": 0.9,
 #: limit (a) and after the drop, limit before it and after the rise, swap
 #: file, steps of (a), steps before the drop, after it, after the rise, the
 #: plain loop's time cap
-FULL = {"model": pressure.VIT_S16, "limit": 2200 * MiB, "high": 5000 * MiB,
+FULL = {"model": workload.VIT_S16, "limit": 2200 * MiB, "high": 5000 * MiB,
         "swap": 4 << 30, "a_steps": 8, "pre": 4, "post": 10, "rise": 12, "plain_max_s": 100}
-QUICK = {"model": pressure.Model(img=112, batch=64), "limit": 900 * MiB,
+QUICK = {"model": workload.Model(img=112, batch=64), "limit": 900 * MiB,
          "high": 3000 * MiB, "swap": 2 << 30, "a_steps": 3, "pre": 2, "post": 4, "rise": 4,
          "plain_max_s": 30}
 
@@ -94,10 +93,10 @@ def _run(benchmark, figures: Figures, settings: dict, mode: str, scenario: str) 
         schedule = [(drop, s["limit"]), (rise, s["high"])]
     out: dict = {}
     benchmark.group = "pressure: whole run"
-    benchmark.pedantic(lambda: out.update(r=pressure.run(
+    benchmark.pedantic(lambda: out.update(r=workload.run(
         mode, limit, schedule, steps=steps, model=s["model"],
         max_seconds=s["plain_max_s"] if mode == "plain" else None)), rounds=1, iterations=1)
-    r: pressure.Result = out["r"]
+    r: workload.Result = out["r"]
     fig = {"mode": mode, "scenario": scenario, "steps": r.steps, "schedule": r.schedule,
            "killed": r.killed, "stopped_by_time": r.stopped_by_time,
            "returncode": r.returncode, "batch": s["model"].batch,
@@ -199,7 +198,7 @@ def _memguard_bc(mb: dict, a_s: float | None, a_micro: int | None, lines: list[s
     low_ratio = ratio(low, a_micro)
     full = mb["batch"]
     grown = next((i + 1 for i, s in enumerate(after_rise) if s["micro"] >= full), None)
-    worst, bad = pressure.boundary_bound(steps, TARGETS["boundary_factor"],
+    worst, bad = workload.boundary_bound(steps, TARGETS["boundary_factor"],
                                          TARGETS["boundary_slack"])
     b = {"settle_steps": settle, "throughput_ratio": tp, "faults_ratio": faults,
          "first_post_drop_faults": f1, "tail_faults": tail, "swap_share": swap,

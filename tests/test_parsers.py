@@ -575,13 +575,14 @@ def test_live_budget_on_fixture_tree():
     figure comes from live_budget() for a recorded sample."""
     got = _sampler("tree", live=True).sample_now()
     resident = 25600 * PAGE + _TREE_KIDS
-    cgroup = 8589934592 - (2684354560 - resident)
+    cgroup = 8589934592 - (2684354560 - resident) - int(0.08 * 8589934592)
     host = resident + 16384000 * KiB - int(0.08 * 32768000 * KiB)
     assert got["budget_bytes"] == min(cgroup, host)
     assert got["budget_source"] == ("cgroup" if cgroup < host else "host")
     assert got["user_budget_bytes"] is None
-    reserve = int(0.08 * got["mem_total_bytes"])
-    assert _C.live_budget(got, 0, reserve) == (got["budget_bytes"], got["budget_source"])
+    assert _C.live_budget(got, 0, 0.08) == (got["budget_bytes"], got["budget_source"])
+    with pytest.raises(ValueError, match="reserve must be a fraction in .0, 1., not 1.5"):
+        _C.live_budget(got, 0, 1.5)
     capped = _sampler("tree", live=True, budget_bytes=2**30).sample_now()
     assert (capped["budget_bytes"], capped["budget_source"]) == (2**30, "user")
     assert capped["user_budget_bytes"] == 2**30

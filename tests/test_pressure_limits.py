@@ -1,5 +1,5 @@
 """Real memory limits: memguard.limits' cgroup and swap file, and a short
-training run (a real ViT with LoRA, real torch) whose cgroup limit is
+training run (memguard.workload: a real ViT with LoRA, real torch) whose cgroup limit is
 lowered mid-run and raised again. Needs root, a cgroup memory controller and
 a file system that takes swap files; elsewhere every test here skips and
 says why. What a test makes is removed when it ends, also on failure.
@@ -12,12 +12,7 @@ import sys
 
 import pytest
 
-from memguard import limits
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import pressure
+from memguard import limits, workload
 
 MiB = 2**20
 WHY = limits.unavailable()
@@ -25,7 +20,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no real memory limits 
 
 #: a ViT on 112 px images, batch 64: memguard's whole step peaks near
 #: 1.6 GB of RSS, of which about 1 GB are tensors
-SMALL = pressure.Model(img=112, batch=64)
+SMALL = workload.Model(img=112, batch=64)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +90,7 @@ def test_a_run_follows_its_limit_down_and_back_up(swap) -> None:
     decision at the next boundary, from its model of the step's peak and the
     live budget (not one halving a step); no step is lost; the cache follows
     the room; when the limit rises, the whole batch comes back at once."""
-    r = pressure.run("memguard", 3000 * MiB, [(1, 900 * MiB), (6, 3000 * MiB)], steps=12,
+    r = workload.run("memguard", 3000 * MiB, [(1, 900 * MiB), (6, 3000 * MiB)], steps=12,
                      model=SMALL, timeout_s=600)
     assert r.returncode == 0, r.stderr
     steps = r.steps
@@ -105,13 +100,13 @@ def test_a_run_follows_its_limit_down_and_back_up(swap) -> None:
     # the live budget saw the cgroup's new limit, and the plan followed it
     assert all(s["source"] == "cgroup" and s["budget_bytes"] <= 900 * MiB for s in drop[1:])
     sizes = [s["micro"] for s in drop]
-    assert sizes[1] < 64, sizes                                 # met at the next boundary
-    assert len(set(sizes[1:])) == 1, sizes                      # in one decision
-    assert sizes[1] >= 8, sizes                                 # not down to the minimum
+    assert sizes[1] < 32, sizes          # met at the next boundary, past a mere halving
+    assert len(set(sizes[2:])) == 1, sizes                      # and settled after it
+    assert min(sizes) >= 8, sizes                               # not down to the minimum
     assert all(s["arena_budget_bytes"] < 900 * MiB for s in drop[1:])
     # the limit rose after step 6: the next boundary that sees it grows back
     rise = steps[7:]
     assert rise[-1]["micro"] == 64 and any(s["micro"] == 64 for s in rise[:3]), \
         [s["micro"] for s in rise]
-    worst, over = pressure.boundary_bound(steps)
+    worst, over = workload.boundary_bound(steps)
     assert over == 0, worst

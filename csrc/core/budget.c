@@ -187,8 +187,8 @@ static void least(uint64_t v, int src, uint64_t *best, int *best_src)
     }
 }
 
-int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, uint64_t reserve_bytes,
-                   uint64_t *out, int *source)
+int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, double reserve, uint64_t *out,
+                   int *source)
 {
     uint64_t best = 0;
     int src = MG_BUDGET_SRC_NONE;
@@ -205,11 +205,13 @@ int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, uint64_t reserve_b
         uint64_t used = (s->have & MG_HAVE_CGROUP_WS) ? s->cgroup_working_set_bytes
                                                       : s->cgroup_usage_bytes;
         uint64_t others = used > resident ? used - resident : 0;
-        least(limit > others ? limit - others : 0, MG_BUDGET_SRC_CGROUP, &best, &src);
+        uint64_t keep = others + (uint64_t)(reserve * (double)limit);
+        least(limit > keep ? limit - keep : 0, MG_BUDGET_SRC_CGROUP, &best, &src);
     }
     if ((s->have & MG_HAVE_MEMAVAIL) && (s->have & MG_HAVE_STATUS)) {
         uint64_t can = resident + s->mem_available_bytes;
-        least(can > reserve_bytes ? can - reserve_bytes : 0, MG_BUDGET_SRC_HOST, &best, &src);
+        uint64_t keep = (uint64_t)(reserve * (double)s->mem_total_bytes);
+        least(can > keep ? can - keep : 0, MG_BUDGET_SRC_HOST, &best, &src);
     }
     if (src == MG_BUDGET_SRC_NONE)
         return ENODATA;

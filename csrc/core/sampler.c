@@ -266,16 +266,15 @@ int mg_sampler_push_cuda(mg_sampler_t *s, const mg_cuda_counters_t *c, int *raw_
 }
 
 /* The budget a sample is judged against: the one asked for, or the live
- * one capped by it (the reserve on the host is what the pressure model
- * calls HIGH headroom, so living within it never reads HIGH by itself). */
+ * one capped by it (the reserve is what the pressure model calls HIGH
+ * headroom, so living within the budget never reads HIGH by itself). */
 static void judge_budget(mg_sampler_t *s, mg_sample_t *cur)
 {
     uint64_t user = atomic_load_explicit(&s->budget_bytes, memory_order_relaxed), b;
     int src = MG_BUDGET_SRC_NONE;
     cur->user_budget_bytes = user;
     if (atomic_load_explicit(&s->live, memory_order_relaxed)) {
-        uint64_t reserve = (uint64_t)(s->popts.headroom[1] * (double)cur->mem_total_bytes);
-        if (mg_budget_live(cur, user, reserve, &b, &src) == 0)
+        if (mg_budget_live(cur, user, s->popts.headroom[1], &b, &src) == 0)
             user = b;
     } else if (user) {
         src = MG_BUDGET_SRC_USER;

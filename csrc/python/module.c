@@ -19,7 +19,7 @@ static PyMethodDef methods[] = {
      "parse(kind, data, version=2) -> dict: run one pure /proc or cgroup parser."},
     {"parse_size", mgpy_parse_size, METH_O, "parse_size(text) -> bytes"},
     {"live_budget", (PyCFunction)(void (*)(void))mgpy_live_budget, METH_VARARGS | METH_KEYWORDS,
-     "live_budget(sample, user=0, reserve=0) -> (bytes, 'user'|'cgroup'|'host'), or None "
+     "live_budget(sample, user=0, reserve=0.0) -> (bytes, 'user'|'cgroup'|'host'), or None "
      "when neither a budget nor a reading says"},
     {"parse_budget", (PyCFunction)(void (*)(void))mgpy_parse_budget,
      METH_VARARGS | METH_KEYWORDS, "parse_budget(text, total, available=0) -> bytes"},

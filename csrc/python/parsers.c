@@ -195,16 +195,23 @@ PyObject *mgpy_parse_budget(PyObject *m, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLongLong(v);
 }
 
-/* live_budget(sample, user=0, reserve=0) -> (bytes, source) or None */
+/* live_budget(sample, user=0, reserve=0.0) -> (bytes, source) or None */
 PyObject *mgpy_live_budget(PyObject *m, PyObject *args, PyObject *kw)
 {
     (void)m;
     static char *kwlist[] = {"sample", "user", "reserve", NULL};
     static const char *const names[] = {"none", "user", "cgroup", "host"};
     PyObject *d;
-    unsigned long long user = 0, reserve = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|KK", kwlist, &d, &user, &reserve))
+    unsigned long long user = 0;
+    double reserve = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Kd", kwlist, &d, &user, &reserve))
         return NULL;
+    if (!(reserve >= 0.0 && reserve < 1.0)) {
+        PyErr_Format(PyExc_ValueError, "reserve must be a fraction in [0, 1), not %R",
+                     PyTuple_Size(args) > 2 ? PyTuple_GET_ITEM(args, 2)
+                                            : PyDict_GetItemString(kw, "reserve"));
+        return NULL;
+    }
     mg_sample_t s;
     if (mgpy_sample_from_dict(d, &s))
         return NULL;

@@ -67,13 +67,14 @@ MG_API int mg_parse_budget(const char *text, uint64_t total, uint64_t available,
  * The live budget: what the process can have now, from one sample. The
  * least of @p user_bytes (0: none), the cgroup's limit (memory.high where
  * lower) less what others in the cgroup use, and the process's resident
- * bytes (its tree's) plus MemAvailable less @p reserve_bytes. The process's
- * swapped-out bytes are part of its footprint, which is what the budget
- * bounds, so they count against it. @p source (may be NULL) receives the
- * MG_BUDGET_SRC_* that bound it.
+ * bytes (its tree's) plus MemAvailable; each less @p reserve (a fraction of
+ * the limit, of MemTotal: room for page cache and code, and for others).
+ * The process's swapped-out bytes are part of its footprint, which is what
+ * the budget bounds, so they count against it. @p source (may be NULL)
+ * receives the MG_BUDGET_SRC_* that bound it.
  * @return 0, or ENODATA when there is neither a user budget nor a reading.
  */
-MG_API int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, uint64_t reserve_bytes,
+MG_API int mg_budget_live(const mg_sample_t *s, uint64_t user_bytes, double reserve,
                           uint64_t *out, int *source);
 
 /* ---- pressure model ----------------------------------------------------- */

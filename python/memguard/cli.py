@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a command with memguard's allocator preloaded")
     r.add_argument("run_args", nargs=argparse.REMAINDER, help="[--budget B] -- CMD ...")
 
-    m = sub.add_parser("demo", help="a short CPU training run with live telemetry")
+    m = sub.add_parser("demo", help="training under a memory limit, without memguard and with it")
     m.add_argument("demo_args", nargs=argparse.REMAINDER, help="options of the demo (see --help)")
 
     rp = sub.add_parser("report", help="draw a run's telemetry (.jsonl) as a .png or .html report")

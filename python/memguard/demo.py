@@ -1,159 +1,147 @@
-"""``memguard demo``: a short CPU training run with live memory telemetry.
+"""``memguard demo``: a training run whose memory runs short, without memguard
+and with it.
 
-A small ViT-like model trains on synthetic images while the sampler runs at
-50 ms under a budget. Every few epochs a validation pass keeps its
-predictions attached to the autograd graph, the mistake behind many runs that
-swap during validation: memory climbs, the pressure level rises with it, and
-it falls back after the pass ends and the graph is freed. The run writes
-every sample and event to a JSONL file and ends with a summary.
+Where it can set a memory limit (root and a cgroup memory controller: see
+:mod:`memguard.limits`), the demo trains the same ViT (:mod:`memguard.workload`)
+twice under one limit, one run after the other: the plain loop, then the
+same loop through ``memguard.Guard(budget="auto")``. It creates no swap file:
+on a machine without swap the kernel kills the plain loop once a step needs
+more than the limit, while memguard's run finishes every step at the same
+effective batch; where the machine swaps, the plain loop swaps (it is
+stopped after ``--plain-seconds``). Elsewhere, or with ``--budget-only``,
+memguard's run alone trains under a budget of its own, and the process
+stays within it.
+
+Each run writes its samples and steps to a JSONL file in ``--out``; the demo
+draws them side by side (``demo-report.png``): memory against the limit or
+budget over time, and the samples trained. ``memguard report`` draws either
+run on its own.
+
+    memguard demo [--out DIR] [--limit SIZE] [--steps N] [--budget-only]
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import math
 import os
-import time
+from typing import Any
 
+from memguard import limits, workload
 from memguard.budget import parse_budget
-from memguard.cli import format_line
-from memguard.telemetry import JsonlExporter, Level, PressureEvent, Sample, Sampler
+
+#: the demo's workload: a ViT on 112 px images, batch 64; its plain loop
+#: peaks near 2.4 GB, memguard's whole batch near 1.6 GB of RSS
+MODEL = workload.Model(img=112, batch=64)
 
 
-def _model(torch, dim: int, depth: int, classes: int):
-    nn = torch.nn
-    layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=dim * 4, batch_first=True)
-    return nn.Sequential(
-        nn.Conv2d(3, dim, kernel_size=8, stride=8),  # 32x32 -> 4x4 patches
-        nn.Flatten(2),
-        Transpose(torch),
-        nn.TransformerEncoder(layer, num_layers=depth, enable_nested_tensor=False),
-        Mean(torch),
-        nn.Linear(dim, classes),
-    )
-
-
-def Transpose(torch):
-    class _T(torch.nn.Module):
-        def forward(self, x):
-            return x.transpose(1, 2)
-
-    return _T()
-
-
-def Mean(torch):
-    class _M(torch.nn.Module):
-        def forward(self, x):
-            return x.mean(dim=1)
-
-    return _M()
-
-
-def _malloc_trim() -> bool:
-    """Give glibc's free heap pages back to the system; False where there is no glibc."""
-    import ctypes
-
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="memguard demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out", help="directory for the telemetry and the report")
+    p.add_argument("--limit", default="1000MiB",
+                   help="the memory limit (or, budget-only, memguard's budget) (=1000MiB)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps (=10)")
+    p.add_argument("--plain-seconds", type=float, default=90,
+                   help="stop the plain loop after this long (=90)")
+    p.add_argument("--budget-only", action="store_true",
+                   help="memguard's run alone, under a budget: no cgroup")
+    a = p.parse_args(argv)
     try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+        a.limit_bytes = parse_budget(a.limit)
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.steps < 1:
+        p.error(f"--steps must be at least 1, not {a.steps}")
+    return a
+
+
+def _run(mode: str, a: argparse.Namespace, limit: int | None) -> dict[str, Any]:
+    path = os.path.join(a.out, f"demo-{mode}.jsonl")
+
+    def show(rec: dict) -> None:
+        print(f"  {mode:8} step {rec['step']:3d}: micro-batch {rec['micro']:3d}, "
+              f"{rec['seconds']:5.1f} s, RSS {rec['rss_bytes'] / 2**20:6,.0f} MiB, "
+              f"swap {rec['swap_bytes'] / 2**20:5,.0f} MiB", flush=True)
+
+    r = workload.run(mode, limit, steps=a.steps, model=MODEL, telemetry=path,
+                     max_seconds=a.plain_seconds if mode == "plain" else None,
+                     budget=a.limit if limit is None else "auto", on_step=show)
+    end = ("killed by the kernel (out of memory)" if r.killed else
+           f"stopped after {a.plain_seconds:g} s" if r.stopped_by_time else
+           "done" if r.returncode == 0 else f"failed (status {r.returncode})")
+    print(f"  {mode}: {len(r.steps)}/{a.steps} steps, {end}")
+    if r.returncode not in (0, None) and not r.killed and not r.stopped_by_time:
+        print(r.stderr)
+    return {"mode": mode, "path": path, "steps": r.steps, "end": end, "killed": r.killed,
+            "done": len(r.steps)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns 0 on success."""
-    p = argparse.ArgumentParser(prog="memguard demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=20, help="training time (=20)")
-    p.add_argument("--out", default="out/demo-telemetry.jsonl", help="JSONL telemetry file")
-    p.add_argument("--budget", default=None,
-                   help="budget; default: resident memory after warm-up + 768 MiB")
-    p.add_argument("--interval", type=float, default=50, help="sampling period in ms (=50)")
-    p.add_argument("--validate-every", type=int, default=3,
-                   help="epochs (20 steps each) between validation passes (=3)")
-    args = p.parse_args(argv)
+    """Run the demo; returns 0 when memguard's run finished every step."""
+    a = _args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    why = "--budget-only" if a.budget_only else limits.unavailable(swap=False)
+    limit = None if why else a.limit_bytes
+    mib = a.limit_bytes / 2**20
+    if limit:
+        print(f"memguard demo: a ViT ({MODEL.img} px, batch {MODEL.batch}) under a "
+              f"{mib:,.0f} MiB memory limit, the plain loop and then memguard")
+        runs = [_run("plain", a, limit), _run("memguard", a, limit)]
+    else:
+        print(f"memguard demo: a ViT ({MODEL.img} px, batch {MODEL.batch}) through memguard "
+              f"under a budget of {mib:,.0f} MiB (no memory limit here: {why})")
+        runs = [_run("memguard", a, None)]
+    png = os.path.join(a.out, "demo-report.png")
+    draw(runs, a.limit_bytes, "limit" if limit else "budget", png, MODEL.batch)
+    with open(os.path.join(a.out, "demo-summary.json"), "w") as f:
+        json.dump({"limit_bytes": a.limit_bytes, "cgroup": bool(limit),
+                   "runs": [{k: r[k] for k in ("mode", "done", "end", "killed", "path")}
+                            for r in runs]}, f, indent=1)
+    print(f"report: {png}; telemetry: {', '.join(r['path'] for r in runs)}")
+    return 0 if runs[-1]["done"] == a.steps else 1
 
-    import torch
 
-    torch.manual_seed(0)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    model = _model(torch, dim=128, depth=4, classes=10)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x_all = torch.randn(512, 3, 32, 32)
-    y_all = torch.randint(0, 10, (512,))
+def draw(runs: list[dict], line_bytes: int, line_name: str, out: str, batch: int) -> None:
+    """Both runs on one time axis: each one's footprint (resident and
+    swapped-out bytes) against the limit or budget, and the samples it
+    trained."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    def train_step(i: int) -> float:
-        idx = torch.randint(0, 512, (32,))
-        loss = torch.nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
+    from memguard.telemetry import read_jsonl
 
-    train_step(0)  # warm-up: allocator caches, lazy init
-    gc.collect()
-
-    probe = Sampler(interval_ms=args.interval)
-    base = probe.sample_now().rss_bytes or 0
-    budget = parse_budget(args.budget) if args.budget else base + 768 * 2**20
-    sampler = Sampler(interval_ms=args.interval, budget=budget)
-    exporter = JsonlExporter(args.out, meta={"demo": "cpu-vit", "budget_bytes": budget})
-    sampler.on_sample(exporter)
-    last_print = [0.0]
-    levels_seen = {Level.OK}
-
-    def show(s: Sample) -> None:
-        levels_seen.add(s.level)
-        if s.t - last_print[0] >= 1.0:
-            last_print[0] = s.t
-            print(f"  [{s.seq:5d}] {format_line(s)}", flush=True)
-
-    def on_pressure(ev: PressureEvent) -> None:
-        print(f"  pressure {ev.old.name} -> {ev.new.name} "
-              f"({', '.join(ev.sample.reasons) or 'calm'})", flush=True)
-        exporter.event("pressure", old=ev.old.name, new=ev.new.name,
-                       reasons=list(ev.sample.reasons))
-
-    sampler.on_sample(show)
-    sampler.on_pressure(on_pressure)
-    print(f"memguard demo: budget {budget / 2**20:,.0f} MiB, sampling every "
-          f"{args.interval:g} ms, telemetry -> {args.out}")
-    sampler.start()
-    t0 = time.monotonic()
-    steps = 0
-    epoch = 0
-    try:
-        while time.monotonic() - t0 < args.seconds:
-            for _ in range(20):
-                train_step(steps)
-                steps += 1
-            epoch += 1
-            if epoch % max(1, args.validate_every) == 0:
-                # validation that forgets no_grad() and keeps every output
-                exporter.event("validation_start", epoch=epoch)
-                kept = []
-                for i in range(0, 512, 32):
-                    kept.append(model(x_all[i:i + 32]))
-                    kept.append(model(x_all[i:i + 32] * 0.5))
-                    time.sleep(0.02)
-                preds = torch.cat(kept).argmax(1)
-                exporter.event("validation_end", epoch=epoch,
-                               accuracy=float((preds[:512] == y_all).float().mean()))
-                del kept, preds
-                before = sampler.latest()
-                gc.collect()
-                trimmed = _malloc_trim()
-                exporter.event("trim", malloc_trim=trimmed,
-                               rss_before_bytes=before.rss_bytes if before else None)
-    finally:
-        sampler.stop()
-        exporter.close()
-    samples = len(sampler.history())
-    peak = max((s.rss_peak_bytes or 0) for s in sampler.history())
-    print(f"done: {steps} steps in {time.monotonic() - t0:.1f} s, {samples} samples, "
-          f"peak RSS {peak / 2**20:,.0f} MiB of a {budget / 2**20:,.0f} MiB budget, "
-          f"levels seen: {', '.join(lv.name for lv in sorted(levels_seen))}, "
-          f"sampler CPU {sampler.cpu_seconds / max(time.monotonic() - t0, 1e-9):.3%} of a core")
-    print(f"telemetry written to {args.out}")
-    return 0
+    colours = {"plain": "#e03131", "memguard": "#1c7ed6"}
+    fig = Figure(figsize=(11, 7), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_mem, ax_done = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig.suptitle(f"memguard demo: the same training, {line_name} "
+                 f"{line_bytes / 2**20:,.0f} MiB", fontsize=13)
+    for r in runs:
+        _, samples, events = read_jsonl(r["path"])
+        if not samples:
+            continue
+        t0 = samples[0].t
+        ts = [s.t - t0 for s in samples]
+        foot = [math.nan if s.footprint_bytes is None else s.footprint_bytes / 2**20
+                for s in samples]
+        c = colours[r["mode"]]
+        ax_mem.plot(ts, foot, "-", color=c, lw=1.6, label=f"{r['mode']}: {r['end']}")
+        steps = [e for e in events if e.get("event") == "step"]
+        ax_done.step([0] + [e["t"] - t0 for e in steps],
+                     [0] + [batch * (i + 1) for i in range(len(steps))], where="post",
+                     color=c, lw=1.6, label=r["mode"])
+        if r["killed"]:
+            ax_mem.plot([ts[-1]], [foot[-1]], "x", color=c, ms=12, mew=3)
+    ax_mem.axhline(line_bytes / 2**20, ls="--", color="black", lw=1.4, label=line_name)
+    ax_mem.set_ylabel("footprint (RSS + swap), MiB")
+    ax_mem.legend(loc="upper left", fontsize=9)
+    ax_mem.grid(alpha=0.3)
+    ax_done.set_ylabel("samples trained")
+    ax_done.set_xlabel("seconds")
+    ax_done.legend(loc="upper left", fontsize=9)
+    ax_done.grid(alpha=0.3)
+    fig.savefig(out)
 
 
 if __name__ == "__main__":

@@ -413,6 +413,7 @@ class Guard:
         self._max_raw = Level.OK              # highest raw level since the last step boundary
         self._window_t = 0.0   # samples taken before (epoch s) were of a failed attempt
         self._level = Level.OK                # level of the newest sample
+        self._outside_peak = 0                # most held outside the arena since the boundary
         self._installed = False
         self._allocator_installed_here = False
         self.allocator_error: str | None = None
@@ -583,6 +584,10 @@ class Guard:
         budget and cache following it), and relief while pressure is HIGH
         or above (at most the share of the time GcHooks allows)."""
         before = self.room.last
+        with self._level_lock:
+            outside, self._outside_peak = self._outside_peak, 0
+        if self.steps:
+            self.room.record_step(outside)
         state = self.room.boundary(self._latest_sample(), self._manages_arena())
         if before is None or _moved(before.budget_bytes, state.budget_bytes):
             self._event("room", step=self.steps, **state.to_dict())
@@ -596,10 +601,13 @@ class Guard:
         # the callback thread may hand a sample over late: one taken before
         # an out-of-memory retry began was of the attempt the OOM answered
         t = getattr(s, "t", None)
+        foot = getattr(s, "footprint_bytes", None)
+        outside = foot - (getattr(s, "arena_reserved_bytes", None) or 0) if foot else 0
         with self._level_lock:
             if t is None or t >= self._window_t:
                 self._max_raw = max(self._max_raw, s.raw_level)
             self._level = s.level
+            self._outside_peak = max(self._outside_peak, outside)
 
     def _start_governor(self) -> None:
         """Start the CUDA governor (the one given, or a new one)."""

@@ -7,9 +7,11 @@ re-derives, at every step boundary, what the process can have *now*:
 * the user's budget, if one was given;
 * in a memory cgroup with a limit, the limit (``memory.high`` where lower)
   less what others in the cgroup use;
-* on the host, the process tree's resident bytes plus ``MemAvailable`` less a
-  reserve (the pressure model's HIGH headroom, 8 % of memory by default, so
-  that living within the budget never reads as HIGH by itself);
+* on the host, the process tree's resident bytes plus ``MemAvailable``;
+
+each less a reserve: the pressure model's HIGH headroom (8 % of the limit,
+of memory, by default), room for page cache and the code of the libraries,
+so that living within the budget never reads as HIGH by itself;
 
 the least of them. What the budget bounds is the *footprint*: the process's
 resident and swapped-out bytes plus what its children (DataLoader workers)
@@ -91,9 +93,7 @@ def live_budget(sample: Any, budget: int | None = None) -> tuple[int, str] | Non
     d = sample if isinstance(sample, dict) else {
         k: v for k, v in dataclasses.asdict(sample).items()
         if k not in ("level", "raw_level", "reasons")}
-    total = d.get("mem_total_bytes") or 0
-    reserve = int(float(option("headroom_high")) * total)
-    return _C.live_budget(d, int(budget or 0), reserve)
+    return _C.live_budget(d, int(budget or 0), float(option("headroom_high")))
 
 
 class Room:
@@ -119,6 +119,8 @@ class Room:
         self.tensor_budget = tensor_budget
         self.decay_steps = decay_steps
         self._peaks: collections.deque[int] = collections.deque(maxlen=peak_window)
+        # the most the process held outside the arena during each recent step
+        self._outside: collections.deque[int] = collections.deque(maxlen=peak_window)
         self.last: RoomState | None = None
         #: bytes the cache gave back at boundaries, by decay and by the
         #: working-set bound, in all
@@ -130,12 +132,16 @@ class Room:
 
     def measure(self, sample: Any) -> RoomState:
         """The room in ``sample`` (a :class:`memguard.Sample`), without
-        acting on it."""
+        acting on it. What the process holds outside the arena moves within a
+        step (interpreter objects, code paged in): the most it held during
+        the recent steps counts (see :meth:`record_step`), and before any
+        step, 10 % more than it holds now."""
         live = live_budget(sample, self.budget) if sample is not None and self.live else None
         budget, source = live if live is not None else (int(self.budget or 0), "none")
         foot = _get(sample, "footprint_bytes") or _get(sample, "rss_bytes") or 0
         reserved = _C.arena_stats()["reserved_bytes.current"] if allocator.installed() else 0
         outside = max(0, foot - reserved)
+        outside = max(outside, *self._outside) if self._outside else int(outside * 1.1)
         arena = 0
         if budget:
             arena = max(budget - outside, MIN_ARENA_BUDGET)
@@ -197,6 +203,12 @@ class Room:
         """A step's peak of the arena's allocated bytes."""
         if peak_bytes > 0:
             self._peaks.append(int(peak_bytes))
+
+    def record_step(self, outside_peak_bytes: int) -> None:
+        """The most the process held outside the arena during a step (its
+        footprint less the arena's reserved bytes, over the step's samples)."""
+        if outside_peak_bytes > 0:
+            self._outside.append(int(outside_peak_bytes))
 
     def cache_keep(self) -> int | None:
         """The most the arena may keep cached now, by the working-set bound

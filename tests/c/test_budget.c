@@ -195,59 +195,60 @@ static void test_budget_sizes(void)
 static void test_live(void)
 {
     const uint64_t M = 1ULL << 20;
+    const double R = 0.08; /* the reserve: 8 % of the limit, of MemTotal */
     mg_sample_t s;
     mgi_sample_init(&s);
     uint64_t b = 0xDEADBEEF;
     int src = -1;
-    CHECK_EQ(mg_budget_live(&s, 0, 0, &b, &src), ENODATA);
+    CHECK_EQ(mg_budget_live(&s, 0, R, &b, &src), ENODATA);
     CHECK_EQ(b, 0xDEADBEEF);
-    CHECK_EQ(mg_budget_live(&s, 700 * M, 0, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 700 * M, R, &b, &src), 0);
     CHECK_EQ(b, 700 * M);
     CHECK_EQ(src, MG_BUDGET_SRC_USER);
 
-    /* the host: resident bytes plus MemAvailable less the reserve */
+    /* the host: resident bytes plus MemAvailable less 8 % of MemTotal */
     s.have |= MG_HAVE_STATUS | MG_HAVE_MEMAVAIL | MG_HAVE_MEMINFO;
     s.rss_bytes = 1000 * M;
     s.mem_total_bytes = 16000 * M;
     s.mem_available_bytes = 3000 * M;
-    CHECK_EQ(mg_budget_live(&s, 0, 1280 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 0, R, &b, &src), 0);
     CHECK_EQ(b, 2720 * M);
     CHECK_EQ(src, MG_BUDGET_SRC_HOST);
-    CHECK_EQ(mg_budget_live(&s, 2000 * M, 1280 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 2000 * M, R, &b, &src), 0);
     CHECK_EQ(src, MG_BUDGET_SRC_USER);
     /* the children's own bytes are the tree's */
     s.have |= MG_HAVE_CHILDREN;
     s.children_bytes = 500 * M;
-    CHECK_EQ(mg_budget_live(&s, 0, 1280 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 0, R, &b, &src), 0);
     CHECK_EQ(b, 3220 * M);
     /* nothing left is a budget of one byte, not none */
     s.mem_available_bytes = 0;
-    CHECK_EQ(mg_budget_live(&s, 0, 16000 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 0, 0.99, &b, &src), 0);
     CHECK_EQ(b, 1);
 
-    /* a cgroup: its limit less what others in it use */
+    /* a cgroup: its limit less what others in it use, less 8 % of it */
     s.mem_available_bytes = 9000 * M;
     s.have |= MG_HAVE_CGROUP | MG_HAVE_CGROUP_LIMIT | MG_HAVE_CGROUP_WS;
     s.cgroup_limit_bytes = 2200 * M;
     s.cgroup_usage_bytes = 2100 * M;
     s.cgroup_working_set_bytes = 1800 * M; /* 300 MiB of it others' */
-    CHECK_EQ(mg_budget_live(&s, 0, 1280 * M, &b, &src), 0);
-    CHECK_EQ(b, 1900 * M);
+    CHECK_EQ(mg_budget_live(&s, 0, R, &b, &src), 0);
+    CHECK_EQ(b, 2200 * M - 300 * M - (uint64_t)(R * 2200 * M));
     CHECK_EQ(src, MG_BUDGET_SRC_CGROUP);
     s.cgroup_working_set_bytes = 1200 * M; /* less than the tree: nobody else */
-    CHECK_EQ(mg_budget_live(&s, 0, 1280 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 0, 0.0, &b, &src), 0);
     CHECK_EQ(b, 2200 * M);
     /* without a working set, usage; memory.high below the limit binds */
     s.have &= ~(uint64_t)MG_HAVE_CGROUP_WS;
     s.have |= MG_HAVE_CGROUP_HIGH;
     s.cgroup_high_bytes = 2000 * M;
-    CHECK_EQ(mg_budget_live(&s, 0, 1280 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 0, 0.0, &b, &src), 0);
     CHECK_EQ(b, 1400 * M); /* 2000 - (2100 - 1500) */
-    CHECK_EQ(mg_budget_live(&s, 1000 * M, 1280 * M, &b, NULL), 0);
+    CHECK_EQ(mg_budget_live(&s, 1000 * M, R, &b, NULL), 0);
     CHECK_EQ(b, 1000 * M);
     /* the host below the cgroup binds */
     s.mem_available_bytes = 100 * M;
-    CHECK_EQ(mg_budget_live(&s, 0, 1280 * M, &b, &src), 0);
+    CHECK_EQ(mg_budget_live(&s, 0, R, &b, &src), 0);
     CHECK_EQ(b, 320 * M);
     CHECK_EQ(src, MG_BUDGET_SRC_HOST);
 }

@@ -247,12 +247,12 @@ static void test_tree_and_live(void)
     CHECK_EQ(a.budget_source, MG_BUDGET_SRC_NONE);
 
     /* live: the cgroup (8 GiB less what others use: its working set less
-     * the tree's resident bytes) against the host (resident + MemAvailable
-     * less the HIGH headroom, 8 % of MemTotal) */
+     * the tree's resident bytes) against the host (resident + MemAvailable),
+     * each less the HIGH headroom (8 % of the limit, of MemTotal) */
     mg_sampler_set_live(s, 1);
     CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
     uint64_t resident = rss + kids, ws = 2684354560ULL;
-    uint64_t cg = 8589934592ULL - (ws - resident);
+    uint64_t cg = 8589934592ULL - (ws - resident) - (uint64_t)(0.08 * 8589934592.0);
     uint64_t host = resident + 16384000 * KiB - (uint64_t)(0.08 * (double)(32768000 * KiB));
     CHECK_EQ(a.budget_bytes, cg < host ? cg : host);
     CHECK_EQ(a.budget_source, cg < host ? MG_BUDGET_SRC_CGROUP : MG_BUDGET_SRC_HOST);

@@ -1,19 +1,21 @@
-"""Real training under a real memory limit, the limit changed mid-run.
+"""A real training workload under a real memory limit: a ViT with LoRA
+adapters (peft, where it is installed), random init, on random images,
+trained by a plain loop or through ``memguard.Guard``. ``memguard demo``, the
+pressure benchmark (``benchmarks/bench_pressure.py``) and the tests that put
+a run under a limit use it.
 
-The worker (``python benchmarks/pressure.py worker ...``) trains a ViT with
-LoRA adapters (peft), random init, on random images: a plain loop, or the
-same loop through ``memguard.Guard(budget="auto")``. It prints one JSON line
-per step: its time, micro-batch, major faults, swap, RSS and memguard's
-figures. The driver (:func:`run`) starts it inside a memory cgroup
-(:mod:`memguard.limits`), changes the limit after given steps, and returns
-the steps; a worker the kernel kills is a result too.
-
-The pressure benchmark (``bench_pressure.py``) and the tests that put a run
-under a limit (``tests/test_pressure_limits.py``) use this module.
+The worker (``python -m memguard.workload --mode plain|memguard ...``)
+prints one JSON line per step: its time, micro-batch, major faults, swap,
+RSS and memguard's figures; with ``--telemetry`` it also writes its samples
+(and the guard's decisions) to a JSONL file. The driver (:func:`run`)
+starts it, inside a memory cgroup (:mod:`memguard.limits`) when given a
+limit, changes the limit after given steps, and returns the steps; a worker
+the kernel kills is a result too.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,8 +26,8 @@ import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+#: where this memguard is imported from: the worker imports the same one
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
 
 
@@ -67,41 +69,47 @@ class Result:
         return [s for s in self.steps if s["step"] > step]
 
 
-def run(mode: str, limit: int, schedule: list[tuple[int, int]] = (), *, steps: int,
+def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, steps: int,
         model: Model = VIT_S16, max_seconds: float | None = None, threads: int = 2,
-        timeout_s: float = 900, telemetry: str | None = None) -> Result:
+        timeout_s: float = 900, telemetry: str | None = None, budget: str = "auto",
+        on_step: Any = None) -> Result:
     """Train ``steps`` steps of ``model`` in ``mode`` (``"plain"`` or
-    ``"memguard"``) inside a new memory cgroup with ``limit`` bytes; the
-    limit becomes ``b`` once step ``k`` is done, for each ``(k, b)`` of
-    ``schedule``. A plain run that swaps may take minutes a step:
-    ``max_seconds`` stops it after the first step past that time.
-    ``telemetry``: memguard's samples and decisions go to this ``.jsonl``.
+    ``"memguard"``, with ``Guard(budget=budget)``), inside a new memory
+    cgroup with ``limit`` bytes (``None``: none); the limit becomes ``b``
+    once step ``k`` is done, for each ``(k, b)`` of ``schedule``. A plain
+    run that swaps may take minutes a step: ``max_seconds`` stops it after
+    the first step past that time. ``telemetry``: samples (and memguard's
+    decisions) go to this ``.jsonl``. ``on_step(record)`` is called with each
+    step's record as it arrives.
 
     Raises:
         memguard.limits.LimitUnavailable: no memory cgroup can be made here.
     """
     from memguard.limits import MemoryLimit
 
-    cmd = [sys.executable, "-u", os.path.abspath(__file__), "worker", f"--mode={mode}",
-           f"--steps={steps}", f"--threads={threads}", *model.args()]
+    cmd = [sys.executable, "-u", "-m", "memguard.workload", f"--mode={mode}",
+           f"--steps={steps}", f"--threads={threads}", f"--budget={budget}", *model.args()]
     if telemetry:
         cmd.append(f"--telemetry={os.path.abspath(telemetry)}")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"),
-                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep)
     env.pop("LD_PRELOAD", None)
-    result = Result(mode=mode, steps=[], schedule=[(-1, limit), *schedule])
+    result = Result(mode=mode, steps=[], schedule=[(-1, limit or 0), *schedule])
     todo = sorted(schedule)
-    with MemoryLimit(limit) as cg:
+    with MemoryLimit(limit) if limit else contextlib.nullcontext() as cg:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
-        cg.add(proc.pid)    # before it has imported anything much
+        if cg is not None:
+            cg.add(proc.pid)    # before it has imported anything much
         t0 = time.monotonic()
         try:
             for line in proc.stdout:
                 rec = json.loads(line)
                 result.steps.append(rec)
-                while todo and todo[0][0] <= rec["step"]:
+                if on_step is not None:
+                    on_step(rec)
+                while cg is not None and todo and todo[0][0] <= rec["step"]:
                     cg.set(todo.pop(0)[1])
                 if max_seconds is not None and time.monotonic() - t0 > max_seconds \
                         and len(result.steps) < steps:
@@ -146,7 +154,6 @@ def boundary_bound(steps: list[dict], factor: float = 1.25,
 # ---------------------------------------------------------------- the worker
 def _build(m: Model, threads: int):
     import torch
-    from peft import LoraConfig, get_peft_model
     from torch import nn
 
     class Attention(nn.Module):
@@ -190,9 +197,15 @@ def _build(m: Model, threads: int):
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=r"blocks\.\d+\.(attn\.(qkv|proj)|fc1|fc2)",
-                      modules_to_save=["head"])
-    model = get_peft_model(ViT(), lora)
+    model = ViT()
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:   # without peft, the whole ViT trains
+        pass
+    else:
+        model = get_peft_model(model, LoraConfig(
+            r=8, lora_alpha=16, target_modules=r"blocks\.\d+\.(attn\.(qkv|proj)|fc1|fc2)",
+            modules_to_save=["head"]))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m.batch, 3, m.img, m.img, generator=g)
@@ -208,11 +221,13 @@ def _status_kib(key: str) -> int:
     return 0
 
 
-def worker(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
+def worker(argv: list[str] | None = None) -> int:
+    """The worker's main: train, one JSON line per step on stdout."""
+    p = argparse.ArgumentParser(prog="python -m memguard.workload")
     p.add_argument("--mode", choices=("plain", "memguard"), required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--budget", default="auto", help="memguard mode: the guard's budget")
     p.add_argument("--telemetry", default=None)
     for f in dataclasses.fields(Model):
         p.add_argument(f"--{f.name}", type=int, default=f.default)
@@ -226,12 +241,18 @@ def worker(argv: list[str]) -> int:
     def loss_fn(batch):
         return nn.functional.mse_loss(model(batch[0]), batch[1])
 
-    guard = None
-    if a.mode == "memguard":
-        import memguard
-        from memguard import _C
+    import memguard
+    from memguard import _C
 
-        guard = memguard.Guard(budget="auto", telemetry=a.telemetry).install()
+    guard = sampler = exporter = None
+    if a.mode == "memguard":
+        guard = memguard.Guard(budget=a.budget, telemetry=a.telemetry).install()
+    elif a.telemetry:
+        # the plain run's memory, for the demo's side-by-side report
+        exporter = memguard.telemetry.open_exporter(a.telemetry)
+        sampler = memguard.Sampler()
+        sampler.on_sample(exporter)
+        sampler.start()
     for i in range(a.steps):
         t0 = time.perf_counter()
         flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
@@ -255,14 +276,17 @@ def worker(argv: list[str]) -> int:
         rec.update(seconds=time.perf_counter() - t0,
                    major_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0,
                    rss_bytes=_status_kib("VmRSS") * 1024, swap_bytes=_status_kib("VmSwap") * 1024)
+        if exporter is not None:
+            exporter.event("step", step=i, micro_batch=m.batch, n_micro=1)
         print(json.dumps(rec), flush=True)
     del torch
     if guard is not None:
         guard.uninstall()
+    if sampler is not None:
+        sampler.stop()
+        exporter.close()
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        sys.exit(worker(sys.argv[2:]))
-    sys.exit("usage: pressure.py worker --mode plain|memguard --steps N [model options]")
+    sys.exit(worker())
