@@ -85,6 +85,48 @@ def test_budget_holds_under_the_shim(mode):
     assert r["small"] == 2**20
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_budget_holds_for_the_process_tree(mode):
+    """`--budget` bounds the run's tree, not each process: a forked child
+    (as a DataLoader worker is) counts what it reserves beyond what it
+    inherited, so with 300 MiB held by the parent, the child's 300 MiB do
+    not fit a 512 MiB budget, its 150 MiB do; once it is gone, they count
+    no more."""
+    code = """
+        import json, os, torch, memguard
+        keep = torch.ones(300 * 2**20, dtype=torch.uint8)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)      # as a DataLoader worker does: OpenMP is not fork-safe
+            out = {}
+            try:
+                torch.empty(300 * 2**20, dtype=torch.uint8)
+                out["big"] = "fit"
+            except RuntimeError as e:
+                out["big"] = "oom" if memguard.is_oom(e) else repr(e)
+            mine = torch.ones(150 * 2**20, dtype=torch.uint8)
+            out["small"] = float(mine[:10].sum())
+            out["tree"] = memguard.stats()["tree_reserved_bytes"]
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        child = json.loads(os.read(r, 4096))
+        os.waitpid(pid, 0)
+        again = torch.ones(150 * 2**20, dtype=torch.uint8)    # the child's share is free again
+        s = memguard.stats()
+        print(json.dumps({"child": child, "budget": s["budget_bytes"],
+                          "tree": s["tree_reserved_bytes"], "again": float(again[:10].sum())}))
+    """
+    out = memguard_run(code, "--budget", "512MiB", mode=mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["child"]["big"] == "oom" and r["child"]["small"] == 10.0
+    assert 450 * 2**20 <= r["child"]["tree"] <= 512 * 2**20      # both processes' counted
+    assert r["budget"] == 512 * 2**20 and r["again"] == 10.0
+    assert 450 * 2**20 <= r["tree"] <= 512 * 2**20
+
+
 MALLOC_FAMILY = r"""
     import ctypes, json
     libc = ctypes.CDLL(None, use_errno=True)

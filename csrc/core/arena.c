@@ -24,6 +24,7 @@
  * grow lock; the allocation path only try-locks other classes. */
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -100,6 +101,25 @@ static struct {
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static int init_rc = EAGAIN;
 
+/* One budget for a process and the children it forks (`memguard run
+ * --budget`, DataLoader workers): a MAP_SHARED page made before any fork,
+ * one slot per process of the tree holding what that process reserved
+ * beyond what it inherited at its fork (its base: those blocks are its
+ * parent's, shared copy-on-write). A slot whose process is gone (workers
+ * leave by _exit, with no hook to run) is taken back when the budget would
+ * be passed. */
+#define TREE_SLOTS 63
+typedef struct tree {
+    _Atomic uint64_t budget;
+    struct {
+        _Atomic int32_t pid;       /* 0: free */
+        _Atomic uint64_t charge;
+    } slot[TREE_SLOTS];
+} tree_t;
+static tree_t *T;         /* set once, before any fork; NULL: no shared budget */
+static int tree_slot = -1; /* this process's slot; -1: none (more than TREE_SLOTS) */
+static uint64_t tree_base; /* reserved bytes inherited at fork */
+
 /* Size class of n bytes: multiples of 64 up to 512, then four per doubling
  * (so at most 25 % rounding); every class size is a multiple of 64. */
 static unsigned class_of(size_t n, size_t *csize)
@@ -153,8 +173,17 @@ static void unlock_all(void)
         pthread_mutex_unlock(&A.small[i].lock);
 }
 
+static void tree_join(void);
+static void reinit_locks(void);
+
 /* A forked child (a DataLoader worker) inherits the arena whole; only the
  * locks need re-making, as their holders did not come along. */
+static void fork_child(void)
+{
+    reinit_locks();
+    tree_join();
+}
+
 static void reinit_locks(void)
 {
     for (int i = 0; i < N_SMALL; i++)
@@ -208,7 +237,7 @@ static void do_init(void)
     A.mid = A.large_next = base + n_chunks * CHUNK;
     A.end = base + want;
     reinit_locks();
-    pthread_atfork(lock_all, unlock_all, reinit_locks);
+    pthread_atfork(lock_all, unlock_all, fork_child);
     init_rc = 0;
 }
 
@@ -234,6 +263,74 @@ static int commit(char *p, size_t n)
     return 0;
 }
 
+/* What this process holds against a shared budget: reserved bytes beyond
+ * those it inherited. */
+static uint64_t own(uint64_t reserved)
+{
+    return reserved > tree_base ? reserved - tree_base : 0;
+}
+
+/* Change this process's reserved bytes by +bytes (add) or -bytes, and its
+ * charge to the tree with them. Each atomic step's own delta is applied,
+ * so the charges add up exactly whatever the interleaving. */
+static uint64_t add_reserved(uint64_t bytes)
+{
+    uint64_t old = atomic_fetch_add(&A.reserved, bytes);
+    if (T && tree_slot >= 0)
+        atomic_fetch_add(&T->slot[tree_slot].charge, own(old + bytes) - own(old));
+    return old + bytes;
+}
+
+static void sub_reserved(uint64_t bytes)
+{
+    uint64_t old = atomic_fetch_sub(&A.reserved, bytes);
+    if (T && tree_slot >= 0)
+        atomic_fetch_sub(&T->slot[tree_slot].charge, own(old) - own(old - bytes));
+}
+
+/* The tree's charges; with reap, slots of processes that are gone are freed
+ * first (kill(pid, 0): one system call a slot, only when the budget would
+ * be passed). */
+static uint64_t tree_total(int reap)
+{
+    uint64_t sum = 0;
+    int saved = errno; /* kill's ESRCH is no business of the allocation's caller */
+    for (int i = 0; i < TREE_SLOTS; i++) {
+        int32_t pid = atomic_load(&T->slot[i].pid);
+        if (!pid)
+            continue;
+        if (reap && i != tree_slot && kill(pid, 0) != 0 && errno == ESRCH) {
+            atomic_store(&T->slot[i].charge, 0);
+            atomic_compare_exchange_strong(&T->slot[i].pid, &pid, 0);
+            continue;
+        }
+        sum += atomic_load(&T->slot[i].charge);
+    }
+    errno = saved;
+    return sum;
+}
+
+/* In a forked child: a slot of its own, charged from its base. */
+static void tree_join(void)
+{
+    if (!T)
+        return;
+    tree_base = atomic_load(&A.reserved);
+    tree_slot = -1;
+    int32_t me = (int32_t)getpid();
+    for (int pass = 0; pass < 2 && tree_slot < 0; pass++) {
+        if (pass)
+            (void)tree_total(1); /* free the slots of processes that are gone */
+        for (int i = 0; i < TREE_SLOTS && tree_slot < 0; i++) {
+            int32_t zero = 0;
+            if (atomic_compare_exchange_strong(&T->slot[i].pid, &zero, me)) {
+                atomic_store(&T->slot[i].charge, 0);
+                tree_slot = i;
+            }
+        }
+    }
+}
+
 /* Give a cached, resident large block's pages back to the kernel (its
  * class lock held); returns its size. The header's page stays: the free
  * list runs through it. It is not always the first: a pointer aligned to
@@ -248,7 +345,7 @@ static uint64_t release_block(large_hdr_t *h)
         (void)madvise(hp + A.page, (size_t)(end - hp - A.page), MADV_DONTNEED);
     h->released = 1;
     atomic_fetch_sub(&A.cached, h->block_size);
-    atomic_fetch_sub(&A.reserved, h->block_size);
+    sub_reserved(h->block_size);
     return h->block_size;
 }
 
@@ -288,8 +385,12 @@ static uint64_t release_cache(uint64_t keep, int try)
  * error. 0 or ENOMEM. Under a budget this is a compare-exchange, not
  * add-then-roll-back: a transient overshoot would be seen by stats readers
  * and would make a racing allocation fail although both fit. */
+static int reserve_tree(uint64_t bytes);
+
 static int reserve(uint64_t bytes)
 {
+    if (T)
+        return reserve_tree(bytes);
     for (int attempt = 0;; attempt++) {
         uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
         if (!budget) {
@@ -314,10 +415,35 @@ static int reserve(uint64_t bytes)
     }
 }
 
+/* reserve() under a budget the tree shares: add, check the tree's total,
+ * roll back. Two processes may pass the check together, by one allocation
+ * each at most: memory not yet touched. */
+static int reserve_tree(uint64_t bytes)
+{
+    for (int attempt = 0;; attempt++) {
+        uint64_t budget = atomic_load(&T->budget);
+        uint64_t now = add_reserved(bytes);
+        if (!budget || tree_total(0) <= budget || tree_total(1) <= budget) {
+            peak(&A.reserved_peak, now);
+            return 0;
+        }
+        sub_reserved(bytes);
+        uint64_t used = tree_total(0);
+        if (attempt == 2 || bytes > budget)
+            return ENOMEM;
+        /* what this process's cache can give towards the room */
+        uint64_t need = used + bytes > budget ? used + bytes - budget : 0;
+        uint64_t cached = atomic_load(&A.cached);
+        if (need > cached)
+            return ENOMEM;
+        release_cache(attempt == 0 ? cached - need : 0, 1);
+    }
+}
+
 /* Undo a reserve whose allocation failed after all. */
 static void unreserve(uint64_t bytes)
 {
-    atomic_fetch_sub(&A.reserved, bytes);
+    sub_reserved(bytes);
 }
 
 static char *carve_slab_chunk(unsigned c)
@@ -527,6 +653,18 @@ static uint64_t free_large(large_hdr_t *h, size_t bs)
     }
 }
 
+/* Whether reserving bytes more would pass the budget (the tree's, where
+ * one is shared). */
+static int short_of_room(uint64_t bytes)
+{
+    if (T) {
+        uint64_t budget = atomic_load(&T->budget);
+        return budget && tree_total(0) + bytes > budget;
+    }
+    uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
+    return budget && atomic_load(&A.reserved) + bytes > budget;
+}
+
 static int large_alloc(size_t size, size_t align, void **out)
 {
     size_t off = align > HDR ? align : HDR;
@@ -560,9 +698,7 @@ static int large_alloc(size_t size, size_t align, void **out)
     }
     if (!h && off == HDR) {
         /* short of room under the budget: half of a larger cached block */
-        uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
-        if (budget && atomic_load(&A.reserved) + csize > budget &&
-            (h = split_cached(k, c, csize)) != NULL)
+        if (short_of_room(csize) && (h = split_cached(k, c, csize)) != NULL)
             hit = 1;
     }
     if (!h) {
@@ -669,10 +805,40 @@ size_t mg_arena_usable_size(const void *p)
 
 void mg_arena_set_budget(uint64_t bytes)
 {
-    atomic_store(&A.budget, bytes);
-    uint64_t r = atomic_load(&A.reserved), c = atomic_load(&A.cached);
+    uint64_t r;
+    if (T) {
+        atomic_store(&T->budget, bytes);
+        r = tree_total(1);
+    } else {
+        atomic_store(&A.budget, bytes);
+        r = atomic_load(&A.reserved);
+    }
+    uint64_t c = atomic_load(&A.cached);
     if (bytes && init_rc == 0 && r > bytes) /* release the excess, if the cache holds it */
         release_cache(r - bytes < c ? c - (r - bytes) : 0, 0);
+}
+
+int mg_arena_share_budget(void)
+{
+    int rc = mg_arena_init();
+    if (rc || T)
+        return rc;
+    tree_t *t = mmap(NULL, sizeof(tree_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                     -1, 0);
+    if (t == MAP_FAILED)
+        return errno;
+    atomic_init(&t->budget, atomic_load(&A.budget));
+    for (int i = 0; i < TREE_SLOTS; i++) {
+        atomic_init(&t->slot[i].pid, 0);
+        atomic_init(&t->slot[i].charge, 0);
+    }
+    tree_base = 0;
+    atomic_init(&t->slot[0].pid, (int32_t)getpid());
+    atomic_init(&t->slot[0].charge, atomic_load(&A.reserved));
+    tree_slot = 0;
+    atomic_store(&A.budget, 0);
+    T = t;
+    return 0;
 }
 
 void mg_arena_set_cache_limit(uint64_t bytes)
@@ -723,7 +889,8 @@ int mg_arena_stats(mg_arena_stats_t *o)
     o->requested_current = atomic_load(&A.requested);
     o->requested_peak = atomic_load(&A.requested_peak);
     o->cached_bytes = atomic_load(&A.cached);
-    o->budget_bytes = atomic_load(&A.budget);
+    o->budget_bytes = T ? atomic_load(&T->budget) : atomic_load(&A.budget);
+    o->tree_reserved_bytes = T ? tree_total(0) : 0;
     o->cache_limit_bytes = atomic_load(&A.cache_limit);
     o->reserve_bytes = (uint64_t)(A.end - A.base);
     o->num_allocs = atomic_load(&A.n_alloc);

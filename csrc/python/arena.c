@@ -69,7 +69,7 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
     mg_arena_stats_t s;
     mg_arena_stats(&s);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "allocated_bytes.current", (unsigned long long)s.allocated_current,
         "allocated_bytes.peak", (unsigned long long)s.allocated_peak,
         "reserved_bytes.current", (unsigned long long)s.reserved_current,
@@ -90,7 +90,8 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
         "reserve_bytes", (unsigned long long)s.reserve_bytes,
         "last_oom_bytes", (unsigned long long)s.last_oom_bytes,
         "decayed_bytes", (unsigned long long)s.decayed_bytes,
-        "epoch", (unsigned long long)s.epoch);
+        "epoch", (unsigned long long)s.epoch,
+        "tree_reserved_bytes", (unsigned long long)s.tree_reserved_bytes);
 }
 
 /* Set one of the arena's byte limits from a Python int (0: none). */

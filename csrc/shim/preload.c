@@ -90,7 +90,9 @@ static size_t boot_size(const void *p)
 }
 
 /* The budget for `memguard run --budget`: MEMGUARD_BUDGET, against the
- * machine's memory read with raw syscalls (malloc is not ours to call yet). */
+ * machine's memory read with raw syscalls (malloc is not ours to call yet),
+ * shared with the children the process forks (DataLoader workers): it
+ * bounds the tree, not each process. */
 static void apply_budget(void)
 {
     const char *text = getenv("MEMGUARD_BUDGET");
@@ -106,9 +108,13 @@ static void apply_budget(void)
         total = mi.total_bytes;
         avail = mi.have_available ? mi.available_bytes : 0;
     }
-    if (mg_parse_budget(text, total, avail, &budget) == 0)
+    if (mg_parse_budget(text, total, avail, &budget) == 0) {
+        static const char alone[] = "memguard: the budget cannot be shared with forked "
+                                    "children; each process gets it whole\n";
+        if (mg_arena_share_budget() != 0)
+            (void)!write(2, alone, sizeof(alone) - 1);
         mg_arena_set_budget(budget);
-    else
+    } else
         (void)!write(2, "memguard: MEMGUARD_BUDGET is not a valid budget; running without one\n",
                      70);
 }

@@ -52,6 +52,7 @@ typedef struct mg_arena_stats {
     uint64_t last_oom_bytes;  /**< size of the last request refused (version 2) */
     uint64_t decayed_bytes;   /**< given back by mg_arena_decay, in all (version 3) */
     uint64_t epoch;           /**< step boundaries counted by mg_arena_decay (version 3) */
+    uint64_t tree_reserved_bytes; /**< held against a shared budget by the tree (version 3; 0: none) */
 } mg_arena_stats_t;
 
 /** Create the arena (idempotent). ENOMEM when no address range could be reserved. */
@@ -68,6 +69,15 @@ MG_ARENA_API size_t mg_arena_usable_size(const void *p);
 /** Set the budget in bytes (0: none). Takes effect for the next allocation;
  * cached blocks past it are released at once. */
 MG_ARENA_API void mg_arena_set_budget(uint64_t bytes);
+/**
+ * Share the budget with the children this process forks from now on
+ * (`memguard run --budget`: DataLoader workers): the budget then bounds
+ * what the tree reserves, each process counting what it reserved beyond
+ * what it inherited (up to 63 processes; a child past that is not
+ * counted). Call before the first fork; idempotent.
+ * @return 0, or ENOMEM when no shared page could be mapped.
+ */
+MG_ARENA_API int mg_arena_share_budget(void);
 /** Keep at most @p bytes of freed large blocks cached (0: no limit beyond
  * the budget); past it, a free releases the oldest cached blocks at once. */
 MG_ARENA_API void mg_arena_set_cache_limit(uint64_t bytes);

@@ -1262,6 +1262,69 @@ static void test_fork(void)
     check_idle();
 }
 
+/* A budget shared with forked children (memguard run --budget): what each
+ * process reserves beyond what it inherited counts against one budget; a
+ * child that is gone (left by _exit, nothing run) stops counting when the
+ * budget would be passed. Runs last: the arena stays shared after it. */
+static void test_shared_budget(void)
+{
+    if (getenv("MGTEST_SKIP_FORK")) {
+        printf("skip test_shared_budget: MGTEST_SKIP_FORK is set\n");
+        return;
+    }
+    mg_arena_trim(0, NULL);
+    CHECK_EQ(mg_arena_share_budget(), 0);
+    CHECK_EQ(mg_arena_share_budget(), 0); /* idempotent */
+    mg_arena_stats_t s0 = st();
+    CHECK_EQ(s0.tree_reserved_bytes, s0.reserved_current);
+    uint64_t blk = block_bytes(24 * MiB, 64);
+    uint64_t budget = s0.reserved_current + 2 * blk + blk / 2; /* room for two, not three */
+    mg_arena_set_budget(budget);
+    CHECK_EQ(st().budget_bytes, budget);
+    void *mine = NULL, *more = NULL;
+    CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &mine), 0);
+    memset(mine, 1, 24 * MiB);
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + blk);
+    int go[2], done[2];
+    CHECK_EQ(pipe(go), 0);
+    CHECK_EQ(pipe(done), 0);
+    fflush(stdout);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        /* the parent's block is not this child's to count: one of its own fits */
+        void *a = NULL, *b = NULL;
+        int rc = mg_arena_alloc(24 * MiB, 64, &a) == 0 ? 0 : 1;
+        if (rc == 0)
+            memset(a, 2, 24 * MiB);
+        rc |= mg_arena_alloc(24 * MiB, 64, &b) == ENOMEM ? 0 : 2; /* a second does not */
+        char c = (char)rc;
+        (void)!write(done[1], &c, 1);
+        (void)!read(go[0], &c, 1);
+        _exit(0); /* as a DataLoader worker leaves: nothing released, nothing run */
+    }
+    char c = 9;
+    CHECK_EQ(read(done[0], &c, 1), 1);
+    CHECK_EQ(c, 0);
+    /* the child's 24 MiB count here too: the parent's second does not fit */
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
+    CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &more), ENOMEM);
+    c = 'x';
+    CHECK_EQ(write(go[1], &c, 1), 1);
+    int status = 0;
+    CHECK_EQ(waitpid(pid, &status, 0), pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    /* the child is gone: its slot is taken back, and the allocation fits */
+    CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &more), 0);
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
+    mg_arena_free(more);
+    mg_arena_free(mine);
+    close(go[0]), close(go[1]), close(done[0]), close(done[1]);
+    mg_arena_set_budget(0);
+    mg_arena_trim(0, NULL);
+    check_idle();
+}
+
 int main(void)
 {
     mgt_begin();
@@ -1289,5 +1352,6 @@ int main(void)
     RUN(test_budget_race);
     RUN(test_split_race);
     RUN(test_fork);
+    RUN(test_shared_budget); /* last: the arena stays shared */
     return mgt_result();
 }
