@@ -204,3 +204,32 @@ def test_governor_on_a_real_device():
         del x
     finally:
         g.uninstall()
+
+
+def test_auto_budget_follows_the_devices_free_memory():
+    """cuda_budget="auto" is live: 90 % of what this process holds on the
+    device plus what is free there, re-read at each push. Another process
+    takes 30 GiB of the 80 GiB device, then gives 20 back: the budget falls,
+    then rises; a move under a 32nd is not applied."""
+    def rec(reserved_gib: float, free_gib: float) -> dict:
+        return {"memory_stats": {"allocated_bytes.all.current": int(reserved_gib * GIB) // 2,
+                                 "reserved_bytes.all.current": int(reserved_gib * GIB)},
+                "mem_get_info": [int(free_gib * GIB), 80 * GIB]}
+
+    r = Replay([rec(10, 68), rec(10, 38), rec(10, 38.5), rec(10, 58)])
+    s = Sampler(interval_ms=1000)
+    g = Governor(0, budget="auto", sampler=s, memory_stats=r.memory_stats,
+                 mem_get_info=r.mem_get_info).install()
+    seen = []
+    while True:
+        g.push()
+        seen.append(g.budget_bytes)
+        if not r.advance():
+            break
+    assert seen[0] == int(0.9 * 78 * GIB)
+    assert seen[1] == seen[2] == int(0.9 * 48 * GIB)     # 48.5 GiB is within a 32nd
+    assert seen[3] == int(0.9 * 68 * GIB)
+    assert s.sample_now().cuda_budget_bytes == seen[3]
+    # the fixed kinds stay fixed
+    f = Governor(0, budget="50%", memory_stats=r.memory_stats, mem_get_info=r.mem_get_info)
+    assert f.install().budget_bytes == 40 * GIB

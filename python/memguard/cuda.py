@@ -217,9 +217,12 @@ class Governor:
     Args:
         device: the device (``"cuda"``: the current one at :meth:`install`).
         budget: ``None`` (no cap), a size (``"20GiB"``), a share of the
-            device (``"75%"``) or ``"auto"`` (90 % of it). Under PyTorch's
-            allocator it becomes ``set_per_process_memory_fraction``; under
-            memguard's, that allocator's budget.
+            device (``"75%"``) or ``"auto"``: live, 90 % of what this
+            process holds on the device plus what is free there, re-read at
+            every push (a step boundary), so that another process taking
+            VRAM lowers it. Under PyTorch's allocator it becomes
+            ``set_per_process_memory_fraction``; under memguard's, that
+            allocator's budget.
         sampler: the telemetry sampler the counters are pushed to.
         on_event: called as ``on_event(name, data)`` for ``cuda_oom`` and
             ``cuda_advice`` events.
@@ -240,6 +243,7 @@ class Governor:
         if budget is not None:
             parse_budget(budget, total=1 << 40)   # validate now: the device total comes later
         self._budget_arg = budget
+        self._live = isinstance(budget, str) and budget.strip().lower() == "auto"
         self.budget_bytes = 0
         self.sampler = sampler
         self.on_event = on_event
@@ -273,7 +277,9 @@ class Governor:
         self._allocator = None
         self._allocator = self.allocator
         total = self._total()
-        if self._budget_arg is not None and total:
+        if self._live:
+            self._follow_device()
+        elif self._budget_arg is not None and total:
             self.budget_bytes = parse_budget(self._budget_arg, total=total)
             if self._memory_stats is None:
                 self._apply_budget(total)
@@ -306,6 +312,22 @@ class Governor:
             if torch is not None:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             self._fraction_set = False
+
+    def _follow_device(self) -> None:
+        """The live ``"auto"`` budget: 90 % of what this process holds on
+        the device (its allocator's reserved bytes) plus what is free there;
+        applied when it moved by more than a 32nd."""
+        free, total = self._info()
+        if not total:
+            return
+        ms = self._stats()
+        held = int(ms.get("reserved_bytes.current", ms.get("reserved_bytes.all.current", 0)) or 0)
+        live = max(1, int(0.9 * (held + free)))
+        old = self.budget_bytes
+        if not old or abs(live - old) * 32 > max(live, old):
+            self.budget_bytes = live
+            if self._memory_stats is None:
+                self._apply_budget(total)
 
     def _apply_budget(self, total: int) -> None:
         torch = _torch()
@@ -352,6 +374,8 @@ class Governor:
         it is judged by the same C model through a private one."""
         if not self._installed:
             self.install()
+        if self._live:
+            self._follow_device()
         c = self.counters()
         sampler = self.sampler if self.sampler is not None else _private_sampler()
         self.level = sampler.push_cuda(c)

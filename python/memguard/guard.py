@@ -294,8 +294,10 @@ class Guard:
             rank proposes, and an out-of-memory error on one rank makes
             every rank redo the step (see :mod:`memguard.distributed`).
         cuda_budget: the budget of the CUDA device the batches are on: a
-            size, a share of the device (``"75%"``) or ``"auto"`` (90 % of
-            it); ``None``: no cap. Applied with
+            size, a share of the device (``"75%"``) or ``"auto"`` (live:
+            90 % of what this process holds there plus what is free,
+            re-read at every step boundary, so another process taking VRAM
+            lowers it and the planner follows); ``None``: no cap. Applied with
             ``torch.cuda.set_per_process_memory_fraction`` (or as memguard's
             CUDA allocator's budget where that is installed), and judged by
             the pressure model like the host budget.
