@@ -40,6 +40,14 @@ def arena():
     memguard.uninstall()
 
 
+def _one_step(g: Guard) -> None:
+    """One step of a tiny model through g."""
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g.step((torch.randn(4, 8), torch.randn(4, 2)),
+           lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), opt)
+
+
 def _churn(*sizes_mib: int) -> None:
     """Tensors of these sizes, touched, then freed: the arena caches them."""
     ts = [torch.ones(s * MiB, dtype=torch.uint8) for s in sizes_mib]
@@ -118,11 +126,8 @@ def test_a_lower_budget_releases_the_cache_at_once(arena) -> None:
 def test_a_guard_with_no_budget_leaves_the_arena_budget_alone(arena) -> None:
     allocator.set_budget(900 * MiB)
     g = Guard(budget=None, gc_interval_s=0)
-    model = torch.nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with g:
-        g.step((torch.randn(4, 8), torch.randn(4, 2)),
-               lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), opt)
+        _one_step(g)
         assert allocator.stats()["budget_bytes"] == 900 * MiB
     assert allocator.stats()["budget_bytes"] == 900 * MiB
 
@@ -182,24 +187,18 @@ def test_uninstall_restores_the_budget_installed_before(arena) -> None:
     tensors while the guard runs, and is the arena's budget again after."""
     allocator.set_budget(300 * MiB)
     g = Guard(budget="auto")
-    model = torch.nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with g:
         assert g.room.tensor_budget == 300 * MiB
         for _ in range(2):
-            g.step((torch.randn(4, 8), torch.randn(4, 2)),
-                   lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), opt)
+            _one_step(g)
             assert 0 < allocator.stats()["budget_bytes"] <= 300 * MiB
     assert allocator.stats()["budget_bytes"] == 300 * MiB
 
 
 def test_a_tensor_budget_caps_the_arena(arena) -> None:
     g = Guard(budget="auto", tensor_budget="96MiB")
-    model = torch.nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with g:
-        g.step((torch.randn(4, 8), torch.randn(4, 2)),
-               lambda b: torch.nn.functional.mse_loss(model(b[0]), b[1]), opt)
+        _one_step(g)
         assert allocator.stats()["budget_bytes"] == 96 * MiB
         assert g.budget_bytes > 96 * MiB          # the process's, live
     assert allocator.stats()["budget_bytes"] == 0

@@ -121,30 +121,37 @@ PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg)
     return arena_set(arg, mg_arena_set_cache_limit);
 }
 
+/* Run a cache release with the GIL released; the bytes it gave back. */
+static PyObject *released(int (*release)(uint64_t, uint64_t *), uint64_t arg)
+{
+    uint64_t freed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    release(arg, &freed);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(freed);
+}
+
+static int decay(uint64_t age, uint64_t *freed)
+{
+    return mg_arena_decay((uint32_t)age, freed);
+}
+
 PyObject *mgpy_arena_trim(PyObject *m, PyObject *args)
 {
     (void)m;
     unsigned long long keep = 0;
-    uint64_t freed = 0;
     if (!PyArg_ParseTuple(args, "|K", &keep))
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    mg_arena_trim(keep, &freed);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(freed);
+    return released(mg_arena_trim, keep);
 }
 
 PyObject *mgpy_arena_decay(PyObject *m, PyObject *args)
 {
     (void)m;
     unsigned int age;
-    uint64_t freed = 0;
     if (!PyArg_ParseTuple(args, "I", &age))
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    mg_arena_decay(age, &freed);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLongLong(freed);
+    return released(decay, age);
 }
 
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused)
