@@ -814,6 +814,11 @@ def test_budget_covers_the_whole_process():
     try:
         if g.allocator_error is None:
             room = allocator.stats()["budget_bytes"]
-            assert 200 << 20 < room <= 256 << 20 + allocator.stats()["reserved_bytes.current"]
+            state = g.room.last
+            assert room == state.arena_budget_bytes == state.budget_bytes - state.outside_bytes
+            assert state.budget_bytes == rss + (256 << 20) and state.source == "user"
+            # what the process holds outside the arena, a tenth more before any step
+            held = memguard.sample().footprint_bytes - allocator.stats()["reserved_bytes.current"]
+            assert 0.9 * held < state.outside_bytes < 1.1 * held + (64 << 20)
     finally:
         g.uninstall()
