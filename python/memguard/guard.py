@@ -525,12 +525,12 @@ class Guard:
                 self.cuda_governor.uninstall()
             self.cuda_governor = None
         if self.sampler is not None:
+            if self._own_sampler:
+                self.sampler.stop()   # first: the exporter gets every sample taken
             self.sampler.remove_callback(self._on_pressure)
             self.sampler.remove_callback(self._on_sample)
             if self._exporter is not None:
                 self.sampler.remove_callback(self._exporter)
-            if self._own_sampler:
-                self.sampler.stop()
             self.sampler = self._given_sampler
         if self._allocator_installed_here:
             allocator.uninstall()

@@ -139,8 +139,9 @@ class Room:
         live = live_budget(sample, self.budget) if sample is not None and self.live else None
         budget, source = live if live is not None else (int(self.budget or 0), "none")
         foot = _get(sample, "footprint_bytes") or _get(sample, "rss_bytes") or 0
-        reserved = _C.arena_stats()["reserved_bytes.current"] if allocator.installed() else 0
-        outside = max(0, foot - reserved)
+        # the arena's blocks are the arena's, installed or not (blocks and
+        # cache outlive an uninstall)
+        outside = max(0, foot - _C.arena_stats()["reserved_bytes.current"])
         outside = max(outside, *self._outside) if self._outside else int(outside * 1.1)
         arena = 0
         if budget:
