@@ -52,12 +52,19 @@ class Accumulator:
         backward: runs the backward pass of each weighted loss in place of
             ``loss.backward()`` (Lightning's ``manual_backward``, which
             applies its precision plugin's loss scaling).
+        before_optimizer_step: called as ``before_optimizer_step(optimizer)``
+            once the gradients are the whole batch's and unscaled, before
+            clipping and the optimizer step (Lightning's
+            ``on_before_optimizer_step``): per-parameter clipping, freezing a
+            layer by dropping its gradients.
     """
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, *,
                  scaler: Any = None, clip_grad_norm: float | None = None,
                  total_weight: float | None = None,
-                 backward: Callable[[torch.Tensor], Any] | None = None) -> None:
+                 backward: Callable[[torch.Tensor], Any] | None = None,
+                 before_optimizer_step: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 ) -> None:
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be positive, not {clip_grad_norm!r}")
         if total_weight is not None and not total_weight > 0:
@@ -68,6 +75,7 @@ class Accumulator:
         self.clip_grad_norm = clip_grad_norm
         self.total_weight = total_weight
         self._backward = backward
+        self._before_step = before_optimizer_step
         self.weight = 0.0          # summed weights of the micro-batches so far
         self.micro_batches = 0
         self._normalized = False
@@ -177,16 +185,35 @@ class Accumulator:
         Raises:
             ValueError: nothing was accumulated, or the weights sum to 0.
         """
+        self.prepare()
+        return self.apply()
+
+    def prepare(self) -> None:
+        """Everything before the optimizer step: normalise, unscale (with a
+        scaler, where a hook or clipping needs unscaled gradients), the
+        ``before_optimizer_step`` hook, clipping.
+
+        Raises:
+            ValueError: nothing was accumulated, or the weights sum to 0.
+        """
         self.normalize()
+        if self.scaler is not None and (self.clip_grad_norm is not None or
+                                        self._before_step is not None):
+            self.scaler.unscale_(self.optimizer)
+        if self._before_step is not None:
+            self._before_step(self.optimizer)
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._params(), self.clip_grad_norm)
+
+    def apply(self) -> float:
+        """The optimizer step (through the scaler) after :meth:`prepare`, then
+        zero the gradients. May be called again after it failed: the
+        gradients are zeroed only once it succeeds. Returns the step's mean
+        loss."""
         if self.scaler is not None:
-            if self.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_(self._params(), self.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            if self.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self._params(), self.clip_grad_norm)
             self.optimizer.step()
         loss = self.loss
         self.reset()
@@ -195,7 +222,9 @@ class Accumulator:
 
 def accumulate(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, *,
                scaler: Any = None, clip_grad_norm: float | None = None,
-               total_weight: float | None = None) -> Accumulator:
+               total_weight: float | None = None,
+               before_optimizer_step: Callable[[torch.optim.Optimizer], Any] | None = None,
+               ) -> Accumulator:
     """An :class:`Accumulator` for one optimizer step (see the module docs)."""
     return Accumulator(model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm,
-                       total_weight=total_weight)
+                       total_weight=total_weight, before_optimizer_step=before_optimizer_step)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -43,6 +44,9 @@ from memguard.gradcache import gradcache_backward
 from memguard.room import Room
 from memguard.telemetry import Level, PressureEvent, Sampler, open_exporter
 from memguard.telemetry import sample as telemetry_sample
+from memguard.transaction import PostStepError, check_finite, optimizer_step, reset_scaler
+
+log = logging.getLogger("memguard")
 
 #: the agreement's flag of a rank whose micro-batch weights sum to 0 (below
 #: an out-of-memory error's -1: the minimum over the ranks keeps it)
@@ -675,7 +679,10 @@ class Guard:
              scaler: Any = None, clip_grad_norm: float | None = None,
              post_step: Callable[[Any], Any] | None = None, restore: Any = (),
              mode: str = "accumulate", embed_fn: Callable[[Any], Any] | None = None,
-             backward: Callable[[torch.Tensor], Any] | None = None) -> StepResult:
+             backward: Callable[[torch.Tensor], Any] | None = None,
+             pre_step: Callable[[], Any] | None = None,
+             before_optimizer_step: Callable[[torch.optim.Optimizer], Any] | None = None,
+             ) -> StepResult:
         """One optimizer step over ``batch``, micro-batched as planned.
 
         Args:
@@ -702,12 +709,32 @@ class Guard:
             backward: runs each micro-batch's backward in place of
                 ``loss.backward()`` (``"accumulate"`` mode); Lightning's
                 ``manual_backward`` goes here.
+            pre_step: called once before the first micro-batch (a MoCo
+                momentum update); not again when the step is redone. What it
+                changes is rolled back with the step when listed in
+                ``restore``.
+            before_optimizer_step: called as
+                ``before_optimizer_step(optimizer)`` once the gradients are
+                the whole batch's and unscaled, before clipping and the
+                optimizer step: per-parameter clipping, freezing a layer.
+
+        The step is all or nothing: whatever ends it (an out-of-memory error
+        anywhere in it, ``optimizer.step()`` included; any exception;
+        ``KeyboardInterrupt``), the model, gradients, ``restore`` buffers,
+        optimizer state, AMP scaler and RNG are the committed step's or what
+        they were before it. Only ``post_step`` runs after the commit.
 
         Returns:
             A :class:`StepResult`.
 
         Raises:
             GuardOOMError: out of memory at the smallest allowed size.
+            memguard.transaction.NonFiniteLossError: the loss is NaN or
+                infinite (without a scaler): the step was not taken.
+            memguard.transaction.OptimizerOOMError: the optimizer step ran
+                out of memory also after memory was relieved.
+            memguard.transaction.PostStepError: ``post_step`` failed after
+                the optimizer step was taken (the step is counted).
         """
         if mode not in ("accumulate", "gradcache"):
             raise ValueError(f"mode must be 'accumulate' or 'gradcache', not {mode!r}")
@@ -734,7 +761,7 @@ class Guard:
             self.micro_batch_changes += 1
         snapshot = _Snapshot(restore)
         acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm,
-                          backward=backward)
+                          backward=backward, before_optimizer_step=before_optimizer_step)
         # under DDP, gradients leave a rank only after every rank said it
         # has not run out of memory: in DDP's last backward (overlap), or
         # in one all-reduce after all backward passes (deferred)
@@ -742,107 +769,119 @@ class Guard:
         tried: list[int] = []
         used_anywhere: list[bool] = []
         optimizer.zero_grad(set_to_none=True)
-        while True:
-            agreed_once = False
+        try:
+            if pre_step is not None:
+                pre_step()
+            while True:
+                agreed_once = False
 
-            def agree_ok(weightless: ValueError | None = None, micro: int = micro) -> None:
-                """The ranks agree before gradients leave this one; a rank
-                whose weights sum to 0 (``weightless``, its error) makes
-                every rank raise, instead of leaving the others waiting."""
-                nonlocal agreed_once, used_anywhere
-                if deferred:
-                    try:
-                        acc.normalize()     # each rank's weighted mean, then the average
-                    except ValueError as exc:
-                        weightless = exc
-                used = peers.prepare(deferred)
-                agreed_once = True
-                res = peers.agree([_WEIGHTLESS if weightless else 0, micro] + [-u for u in used])
-                if res[0] == _WEIGHTLESS:
-                    peers.reset()
-                    raise weightless or ValueError(_PEER_WEIGHTLESS)
-                if res[0] < 0:
-                    raise PeerOOM(res[1], micro)
-                used_anywhere = [v < 0 for v in res[2:]]
+                def agree_ok(weightless: ValueError | None = None, micro: int = micro) -> None:
+                    """The ranks agree before gradients leave this one; a rank
+                    whose weights sum to 0 (``weightless``, its error) makes
+                    every rank raise, instead of leaving the others waiting."""
+                    nonlocal agreed_once, used_anywhere
+                    if deferred:
+                        try:
+                            acc.normalize()     # each rank's weighted mean, then the average
+                        except ValueError as exc:
+                            weightless = exc
+                    used = peers.prepare(deferred)
+                    agreed_once = True
+                    res = peers.agree([_WEIGHTLESS if weightless else 0, micro] + [-u for u in used])
+                    if res[0] == _WEIGHTLESS:
+                        peers.reset()
+                        raise weightless or ValueError(_PEER_WEIGHTLESS)
+                    if res[0] < 0:
+                        raise PeerOOM(res[1], micro)
+                    used_anywhere = [v < 0 for v in res[2:]]
 
-            peer_oom = None
-            cause = None      # set when nothing smaller is left: the step gives up
-            refused = None    # set when another rank's weights sum to 0
-            try:
-                with peers.attempt(deferred) if peers is not None else contextlib.nullcontext():
-                    if embed_fn is not None:
-                        loss_value, emb = gradcache_backward(
-                            batch, n, micro, embed_fn, loss_fn, scaler,
-                            model=None if deferred else self.model)
-                        acc.add_whole_batch(loss_value, -(-n // micro))
-                        aux = [emb]
+                peer_oom = None
+                cause = None      # set when nothing smaller is left: the step gives up
+                refused = None    # set when another rank's weights sum to 0
+                try:
+                    with peers.attempt(deferred) if peers is not None else contextlib.nullcontext():
+                        if embed_fn is not None:
+                            loss_value, emb = gradcache_backward(
+                                batch, n, micro, embed_fn, loss_fn, scaler,
+                                model=None if deferred else self.model)
+                            acc.add_whole_batch(loss_value, -(-n // micro))
+                            aux = [emb]
+                        else:
+                            aux = self._attempt(batch, n, micro, loss_fn, acc,
+                                                agree_ok if peers is not None and not deferred
+                                                else None)
+                    if deferred:
+                        agree_ok()
+                    break
+                except PeerOOM as exc:
+                    tried.append(micro)
+                    peer_oom = exc
+                    nxt = exc.next
+                    if nxt:
+                        self._planner.agree(nxt, failed=exc.failed)
                     else:
-                        aux = self._attempt(batch, n, micro, loss_fn, acc,
-                                            agree_ok if peers is not None and not deferred
-                                            else None)
-                if deferred:
-                    agree_ok()
-                break
-            except PeerOOM as exc:
-                tried.append(micro)
-                peer_oom = exc
-                nxt = exc.next
-                if nxt:
-                    self._planner.agree(nxt, failed=exc.failed)
-                else:
-                    cause = exc
-            except Exception as exc:
-                if not allocator.is_oom(exc):
-                    acc.reset()
-                    raise
-                if agreed_once:
-                    # the other ranks are in DDP's all-reduces already
-                    acc.reset()
-                    raise
-                tried.append(micro)
-                self._follow_room_now()    # the room may have fallen during the step
-                nxt = self._planner.oom(micro) or 0
+                        cause = exc
+                except Exception as exc:
+                    if not allocator.is_oom(exc):
+                        acc.reset()
+                        raise
+                    if agreed_once:
+                        # the other ranks are in DDP's all-reduces already
+                        acc.reset()
+                        raise
+                    tried.append(micro)
+                    self._follow_room_now()    # the room may have fallen during the step
+                    nxt = self._planner.oom(micro) or 0
+                    if peers is not None:
+                        res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
+                        if res[0] == _WEIGHTLESS:     # another rank's step cannot be done
+                            refused = ValueError(_PEER_WEIGHTLESS)
+                            refused.__cause__ = exc
+                        elif res[1] and res[1] != nxt:
+                            self._planner.agree(res[1])
+                        nxt = res[1]
+                    if not nxt:
+                        cause = exc
+                # out of the except block: the failed attempt's frames are gone
+                acc.reset()
+                snapshot.restore()
                 if peers is not None:
-                    res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
-                    if res[0] == _WEIGHTLESS:     # another rank's step cannot be done
-                        refused = ValueError(_PEER_WEIGHTLESS)
-                        refused.__cause__ = exc
-                    elif res[1] and res[1] != nxt:
-                        self._planner.agree(res[1])
-                    nxt = res[1]
-                if not nxt:
-                    cause = exc
-            # out of the except block: the failed attempt's frames are gone
+                    peers.reset()
+                if refused is not None:
+                    raise refused
+                if cause is not None:
+                    self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
+                    raise GuardOOMError(tried, self.min_micro_batch) from cause
+                self.gc.relieve_oom()
+                self._floor = self._peak.start(batch)   # the peak the planner learns is the retry's
+                with self._level_lock:    # and the pressure the next boundary acts on:
+                    self._max_raw = Level.OK   # the OOM already shrank for the failed one
+                    self._window_t = time.time()
+                self.ooms_recovered += 1
+                self.micro_batch_changes += 1
+                self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
+                            micro_batch=int(nxt), peer=peer_oom is not None,
+                            planner_budget_bytes=self._planner_budget)
+                log.warning("memguard: step %d ran out of memory at micro-batch %s%s; redoing it "
+                            "at %d", self.steps, tried[-1], " (on another rank)" if peer_oom
+                            else "", int(nxt))
+                micro = int(nxt)
+            if deferred:
+                peers.finish(used_anywhere)
+            n_micro, weight = acc.micro_batches, acc.weight
+            loss = self._commit(acc, optimizer)
+        except BaseException:
+            # whatever ended it: nothing of the step survives
             acc.reset()
             snapshot.restore()
+            if scaler is not None:
+                reset_scaler(scaler, optimizer)
             if peers is not None:
                 peers.reset()
-            if refused is not None:
-                raise refused
-            if cause is not None:
-                self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
-                raise GuardOOMError(tried, self.min_micro_batch) from cause
-            self.gc.relieve_oom()
-            self._floor = self._peak.start(batch)   # the peak the planner learns is the retry's
-            with self._level_lock:    # and the pressure the next boundary acts on:
-                self._max_raw = Level.OK   # the OOM already shrank for the failed one
-                self._window_t = time.time()
-            self.ooms_recovered += 1
-            self.micro_batch_changes += 1
-            self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
-                        micro_batch=int(nxt), peer=peer_oom is not None,
-                        planner_budget_bytes=self._planner_budget)
-            micro = int(nxt)
-        if deferred:
-            peers.finish(used_anywhere)
+            raise
         if tried:
             plan = self._planner.state()    # the step's decision was the OOM's
-        n_micro = acc.micro_batches
-        weight = acc.weight
-        loss = acc.step()
         aux = _batch.concat(aux) if aux else None
-        if post_step is not None:
-            post_step(aux)
         peak = self._peak.stop()
         self._planner.end(micro, peak, self._floor)
         if self._peak.source == "arena":
@@ -858,7 +897,23 @@ class Guard:
                     level=int(plan_level), planner_budget_bytes=plan_budget,
                     floor_bytes=self._floor)
         self.steps += 1
+        if post_step is not None:
+            try:
+                post_step(aux)
+            except Exception as exc:   # after the commit: the step is done
+                self._event("post_step_failed", step=self.steps - 1, error=repr(exc))
+                raise PostStepError(self.steps - 1) from exc
         return res
+
+    def _commit(self, acc: Accumulator, optimizer: torch.optim.Optimizer) -> float:
+        """The step's update: a finite loss (without a scaler: with one, the
+        scaler skips non-finite steps itself), the hook and clipping, then
+        the optimizer step as all or nothing. Returns the step's loss."""
+        if acc.scaler is None:
+            check_finite(acc.loss)
+        acc.prepare()
+        return optimizer_step(optimizer, acc.apply,
+                              lambda: self.gc.relieve("optimizer", force=True))
 
     def _checkpoint_hold(self, level: int) -> int:
         """De-escalation comes first: while blocks are checkpointed a calm
