@@ -270,8 +270,19 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
 {
     if (batch == 0)
         return EINVAL;
-    if (batch > p->full)
+    if (batch > p->full) {
+        /* a larger batch than any before: where the steps ran whole, they
+         * start whole again, as at the first step; what failed or held at
+         * the smaller batch's sizes does not cap the new one (a first batch
+         * of 1 must not make batches of 64 grow back one doubling at a
+         * time) */
+        if (p->full && p->micro >= p->full && !p->opts.fixed) {
+            p->micro = batch;
+            p->failed = 0;
+            p->calm = 0;
+        }
         p->full = batch;
+    }
     if (p->micro == 0 || (p->micro > p->full && !p->opts.fixed)) {
         /* (a fixed plan survives a short batch, such as an epoch's last) */
         p->micro = p->full;

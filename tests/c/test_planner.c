@@ -731,6 +731,35 @@ static void test_room_jumps(void)
     CHECK_LAST(&p, "shrink", "high", 32, 16);
 }
 
+/* A first batch smaller than the ones after it: the steps that ran whole
+ * run whole again at the larger batch, even after the small one ran out
+ * of memory (it gave up: nothing smaller), instead of growing back from
+ * its size one doubling at a time. */
+static void test_larger_batch_starts_whole(void)
+{
+    mg_planner_t p = planner(opts(), 0);
+    CHECK_EQ(begin(&p, 1, OK), 1);
+    CHECK_EQ(begin(&p, 64, OK), 64);
+    CHECK_EQ(begin(&p, 64, OK), 64);
+    /* the first batch of 1 ran out of memory: no smaller size, given up */
+    p = planner(opts(), 0);
+    CHECK_EQ(begin(&p, 1, OK), 1);
+    CHECK_EQ(oom(&p, 1), 0);
+    CHECK_EQ(begin(&p, 64, OK), 64);
+    CHECK_EQ(p.failed, 0);
+    /* a split plan is kept (what ran split still needs splitting) */
+    p = planner(opts(), 0);
+    CHECK_EQ(begin(&p, 32, OK), 32);
+    CHECK_EQ(begin(&p, 32, HIGH), 16);
+    CHECK_EQ(begin(&p, 64, ELEV), 16);
+    /* and a fixed size stays fixed */
+    mg_planner_opts_t o = opts();
+    o.fixed = 1;
+    p = planner(o, 4);
+    CHECK_EQ(begin(&p, 4, OK), 4);
+    CHECK_EQ(begin(&p, 64, OK), 4);
+}
+
 static void test_fixed(void)
 {
     mg_planner_opts_t o = opts();
@@ -763,17 +792,21 @@ static void test_small_batches(void)
     CHECK_EQ(begin(&p, 1, CRIT), 1);
     CHECK_EQ(p.micro, 4); /* the plan still shrank */
 
-    /* a batch larger than any before: the plan keeps to allowed sizes */
+    /* a batch larger than any before, after whole steps: whole again (the
+     * full batch counts as allowed) */
     mg_planner_opts_t o = opts();
     o.multiple_of = 4;
     p = planner(o, 0);
-    CHECK_EQ(begin(&p, 10, OK), 10); /* the full batch counts as allowed */
-    CHECK_EQ(begin(&p, 16, OK), 8);  /* 10 is not a multiple of 4 */
+    CHECK_EQ(begin(&p, 10, OK), 10);
+    CHECK_EQ(begin(&p, 16, OK), 16);
     CHECK_EQ(p.full, 16);
+    /* split steps keep to allowed sizes */
+    CHECK_EQ(begin(&p, 16, HIGH), 8);
+    CHECK_EQ(begin(&p, 30, ELEV), 8);
     o.min_micro = 8;
     p = planner(o, 0);
     CHECK_EQ(begin(&p, 6, OK), 6);
-    CHECK_EQ(begin(&p, 32, OK), 8); /* nothing allowed below 6: up to 8 */
+    CHECK_EQ(begin(&p, 32, OK), 32);
     /* a start under the minimum, and a batch under it too: the batch */
     o = opts();
     o.min_micro = 3;
@@ -781,7 +814,7 @@ static void test_small_batches(void)
     p = planner(o, 1);
     CHECK_EQ(begin(&p, 2, OK), 2);
     CHECK_EQ(p.micro, 2); /* the plan never exceeds the full batch */
-    CHECK_EQ(begin(&p, 9, OK), 4);
+    CHECK_EQ(begin(&p, 9, OK), 9);
 }
 
 /* Numerical Recipes' 64-bit LCG; the high bits. */
@@ -974,6 +1007,7 @@ int main(void)
     RUN(test_failed_size_waits);
     RUN(test_model);
     RUN(test_room_jumps);
+    RUN(test_larger_batch_starts_whole);
     RUN(test_fixed);
     RUN(test_small_batches);
     RUN(test_replay_and_copy);
