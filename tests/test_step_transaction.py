@@ -404,27 +404,27 @@ def test_pre_step_runs_once_a_step_before_the_first_micro_batch():
             torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-7)
 
 
-def test_the_first_batch_does_not_cap_later_ones():
+@pytest.mark.parametrize("fail_first", [False, True])
+def test_the_first_batch_does_not_cap_later_ones(fail_first):
     """A first batch of 1, then batches of 16: the steps run whole at 16 at
     once, also when that first batch ran out of memory (given up: nothing
     smaller than 1)."""
     from memguard import GuardOOMError
-    for fail_first in (False, True):
-        model, opt = make("sgd-foreach", norm=False)
-        g = Guard(budget=None, allocator=False)
-        one = (torch.randn(1, 6), torch.randint(0, 3, (1,)))
-        calls = []
+    model, opt = make("sgd-foreach", norm=False)
+    g = Guard(budget=None, allocator=False)
+    one = (torch.randn(1, 6), torch.randint(0, 3, (1,)))
+    calls = []
 
-        def loss_fn(b, fail=fail_first):
-            calls.append(len(b[0]))
-            if fail and len(calls) == 1:
-                raise RuntimeError(OOM)
-            return loss_of(model)(b)
+    def loss_fn(b):
+        calls.append(len(b[0]))
+        if fail_first and len(calls) == 1:
+            raise RuntimeError(OOM)
+        return loss_of(model)(b)
 
-        if fail_first:
-            with pytest.raises(GuardOOMError):
-                g.step(one, loss_fn, opt)
-        else:
+    if fail_first:
+        with pytest.raises(GuardOOMError):
             g.step(one, loss_fn, opt)
-        sizes = [g.step(b, loss_fn, opt).micro_batch for b in batches(3)]
-        assert sizes == [BATCH] * 3, (fail_first, sizes)
+    else:
+        g.step(one, loss_fn, opt)
+    sizes = [g.step(b, loss_fn, opt).micro_batch for b in batches(3)]
+    assert sizes == [BATCH] * 3
