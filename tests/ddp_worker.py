@@ -118,6 +118,9 @@ def main() -> None:
     ap.add_argument("--weightless-rank", type=int, default=-1,
                     help="with --caller-weights: this rank's weights are 0 at --weightless-at")
     ap.add_argument("--weightless-at", type=int, default=-1)
+    ap.add_argument("--oom-in-backward", type=int, default=-1,
+                    help="the OOM rank runs out of memory inside the backward of this step's "
+                         "last micro-batch (its first attempt): DDP's reducer is mid-way")
     a = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -138,6 +141,21 @@ def main() -> None:
         half = peak_of(model, teacher, x[:a.batch // 2], y[:a.batch // 2])
         extra = (full + half) // 2   # room for a half-size step, not a full one
 
+    # an out-of-memory error raised from inside backward, when the gradient
+    # of the first layer's weight is made: later layers' buckets are done
+    backward_oom = {"armed": 0}   # backward passes to let through first, + 1
+
+    def oom_in_backward(grad):
+        if backward_oom["armed"]:
+            backward_oom["armed"] -= 1
+            if not backward_oom["armed"]:
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                                   "allocate 4096 bytes (injected inside backward)")
+        return grad
+
+    if oom_here and a.oom_in_backward >= 0:
+        model[0].weight.register_hook(oom_in_backward)
+
     micro = a.micro_batch if a.micro_batch == "auto" else int(a.micro_batch)
     guard = Guard(budget=None, micro_batch=micro, model=ddp, ddp_overlap=a.overlap,
                   allocator=oom_here, gc_interval_s=0)
@@ -155,6 +173,8 @@ def main() -> None:
                         memguard.stats()["reserved_bytes.current"] + extra + SMALL
             weightless = rank == a.weightless_rank and s == a.weightless_at
             lowered = [low is None]
+            if oom_here and s == a.oom_in_backward:   # the last micro-batch's backward
+                backward_oom["armed"] = max(1, a.batch // int(micro)) if micro != "auto" else 1
 
             def loss_fn(b, weightless=weightless, low=low, lowered=lowered):
                 if not lowered[0]:

@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 TIMEOUT_S = 240   # generous for a loaded machine; a deadlock would last forever
 
 
-def torchrun(tmp_path, *args: str) -> tuple[dict, dict]:
-    """Run the worker on 2 ranks; the two ranks' records."""
+def torchrun(tmp_path, *args: str, ranks: int = 2) -> tuple[dict, ...]:
+    """Run the worker on ``ranks`` ranks; their records."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", str(ROOT / "tests" / "ddp_worker.py"),
+           f"--nproc_per_node={ranks}", str(ROOT / "tests" / "ddp_worker.py"),
            "--out", str(tmp_path), *args]
     path = [str(ROOT / "python"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
@@ -44,7 +44,7 @@ def torchrun(tmp_path, *args: str) -> tuple[dict, dict]:
         out, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a rank hung):\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]
-    return tuple(torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    return tuple(torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks))
 
 
 def assert_trained_alike(r0: dict, r1: dict) -> None:
@@ -131,3 +131,19 @@ def test_oom_at_the_minimum_stops_every_rank(tmp_path):
     assert r0["micro"] == r1["micro"] == [16]
     for k, v in r0["state"].items():
         assert torch.equal(v, r1["state"][k]), k
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_oom_inside_backward_of_a_ddp_model(tmp_path, ranks):
+    """An out-of-memory error raised inside the backward of a DDP model (the
+    last micro-batch's, where DDP's reducer synchronises), at world size 1
+    as at 2: a model wrapped in DDP runs its micro-batches as the deferred
+    mode does whatever the world size, so the redo starts from a clean
+    reducer, and the run ends with the uninterrupted run's parameters."""
+    recs = torchrun(tmp_path, "--micro-batch", "8", "--oom-rank", "0",
+                    "--oom-in-backward", "1", ranks=ranks)
+    r0 = recs[0]
+    for k, ref in r0["reference"].items():
+        torch.testing.assert_close(r0["state"][k], ref, rtol=1e-5, atol=1e-6, msg=k)
+    assert r0["retries"] == [0, 1, 0, 0, 0] and r0["tried"][1] == [8]
+    assert all(torch.equal(r["state"][k], r0["state"][k]) for r in recs for k in r0["state"])

@@ -84,14 +84,19 @@ class Peers:
     def detect(model: torch.nn.Module | None, group: Any = None,
                overlap: bool = False) -> Peers | None:
         """Peers when ``torch.distributed`` is initialised with more than one
-        rank, else ``None``."""
+        rank, or the model is wrapped in DDP whatever the world size (a
+        script that wraps it on one device: an out-of-memory error inside
+        DDP's synchronising backward leaves its reducer mid-way, so such a
+        model runs its micro-batches as the deferred mode does); else
+        ``None``."""
         try:
             dist = _dist()
         except ImportError:
             return None
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if dist.get_world_size(group) < 2:
+        from torch.nn.parallel import DistributedDataParallel
+        if dist.get_world_size(group) < 2 and not isinstance(model, DistributedDataParallel):
             return None
         return Peers(model, group, overlap)
 
