@@ -428,3 +428,41 @@ def test_the_first_batch_does_not_cap_later_ones(fail_first):
         g.step(one, loss_fn, opt)
     sizes = [g.step(b, loss_fn, opt).micro_batch for b in batches(3)]
     assert sizes == [BATCH] * 3
+
+
+def test_a_buffer_changed_in_forward_is_warned_about_once():
+    """A center updated inside the forward pass (DINO's DINOLoss) changes
+    once per micro-batch when the step is split: one warning names it and
+    points at post_step; BatchNorm's statistics (a documented difference)
+    and an unsplit step say nothing."""
+    class Centered(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8))
+            self.register_buffer("center", torch.zeros(8))
+
+        def forward(self, x):
+            out = self.net(x)
+            with torch.no_grad():
+                self.center.mul_(0.9).add_(out.mean(0), alpha=0.1)
+            return out - self.center
+
+    torch.manual_seed(0)
+    m = Centered()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(16, 6)
+
+    def loss_fn(b):
+        return m(b).pow(2).mean()
+
+    import warnings as w
+    with w.catch_warnings(record=True) as got:
+        w.simplefilter("always")
+        Guard(budget=None, micro_batch=16, allocator=False).step(x, loss_fn, opt, restore=[m])
+        g = Guard(budget=None, micro_batch=4, allocator=False)
+        for _ in range(3):
+            g.step(x, loss_fn, opt, restore=[m])
+    msgs = [str(r.message) for r in got if "memguard: buffer" in str(r.message)]
+    assert len(msgs) == 1, msgs
+    assert "Centered.center" in msgs[0] and "post_step" in msgs[0]
+    assert "running_mean" not in msgs[0]

@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
@@ -134,11 +135,14 @@ class _Snapshot:
     def __init__(self, restore: Any) -> None:
         items = restore if isinstance(restore, (list, tuple)) else (restore,)
         self._saved: list[tuple[str, Any, Any]] = []
+        self._named: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # watched buffers
         with torch.no_grad():
             for obj in items:
                 if isinstance(obj, torch.nn.Module):
                     bufs = [b for b in obj.buffers() if b is not None]
-                    self._saved.append(("buffers", bufs, [b.clone() for b in bufs]))
+                    saved = [b.clone() for b in bufs]
+                    self._saved.append(("buffers", bufs, saved))
+                    self._watch(obj, dict(zip(map(id, bufs), saved)))
                 elif isinstance(obj, torch.Tensor):
                     self._saved.append(("tensor", obj, obj.clone()))
                 elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
@@ -149,6 +153,23 @@ class _Snapshot:
                                     f"{type(obj).__name__}")
         self._rng = torch.get_rng_state()
         self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def _watch(self, module: torch.nn.Module, saved: dict[int, torch.Tensor]) -> None:
+        """Buffers whose change in a forward pass means an update per
+        micro-batch: all but normalisation statistics (BatchNorm's differ
+        with the split by design)."""
+        for mname, m in module.named_modules():
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase):
+                continue
+            for bname, b in m.named_buffers(recurse=False):
+                if b is not None and id(b) in saved:
+                    name = f"{type(module).__name__}.{mname + '.' if mname else ''}{bname}"
+                    self._named.append((name, b, saved[id(b)]))
+
+    def changed(self) -> list[str]:
+        """Names of watched buffers that differ from what they were."""
+        with torch.no_grad():
+            return [n for n, b, s in self._named if b.shape != s.shape or not torch.equal(b, s)]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -420,6 +441,7 @@ class Guard:
         self._window_t = 0.0   # samples taken before (epoch s) were of a failed attempt
         self._level = Level.OK                # level of the newest sample
         self._outside_peak = 0                # most held outside the arena since the boundary
+        self._warned_buffers: set[str] = set()   # restore buffers warned about
         self._installed = False
         self._allocator_installed_here = False
         self.allocator_error: str | None = None
@@ -869,6 +891,8 @@ class Guard:
             if deferred:
                 peers.finish(used_anywhere)
             n_micro, weight = acc.micro_batches, acc.weight
+            if n_micro > 1:
+                self._warn_changed_buffers(snapshot)
             loss = self._commit(acc, optimizer)
         except BaseException:
             # whatever ended it: nothing of the step survives
@@ -904,6 +928,19 @@ class Guard:
                 self._event("post_step_failed", step=self.steps - 1, error=repr(exc))
                 raise PostStepError(self.steps - 1) from exc
         return res
+
+    def _warn_changed_buffers(self, snapshot: _Snapshot) -> None:
+        """Once per buffer: a ``restore`` buffer that a split step's forward
+        passes changed was updated once per micro-batch, not once per step."""
+        for name in snapshot.changed():
+            if name in self._warned_buffers:
+                continue
+            self._warned_buffers.add(name)
+            warnings.warn(
+                f"memguard: buffer {name} changed during the forward passes of a step split "
+                f"into micro-batches, so it was updated once per micro-batch, not once per "
+                f"step: move its update to post_step (which gets the step's concatenated aux) "
+                f"or pre_step", UserWarning, stacklevel=3)
 
     def _commit(self, acc: Accumulator, optimizer: torch.optim.Optimizer) -> float:
         """The step's update: a finite loss (without a scaler: with one, the
