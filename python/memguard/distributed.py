@@ -26,6 +26,7 @@ Gradients are synchronised in one of two ways:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +39,24 @@ _IN_PLACE_BYTES = 1 << 20  # gradients this large are all-reduced where they are
 def _dist() -> Any:
     import torch.distributed as dist
     return dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """What the ranks agreed on in one :meth:`Peers.vote`.
+
+    Attributes:
+        outcome: ``"ok"``; ``"oom"`` (a rank ran out of memory: every rank
+            redoes the step); ``"weightless"`` (a rank's micro-batch weights
+            sum to 0: every rank raises). The worst one a rank voted wins.
+        next: the smallest size a rank proposed (after an out-of-memory
+            error: the size to redo the step at; 0: a rank gives up).
+        used_anywhere: for each synchronised parameter, whether any rank
+            had a gradient for it (deferred mode; else empty).
+    """
+    outcome: str
+    next: int
+    used_anywhere: list[bool]
 
 
 class PeerOOM(Exception):
@@ -106,6 +125,25 @@ class Peers:
         _dist().all_reduce(t, op=_dist().ReduceOp.MIN, group=self.group)
         self.collectives += 1
         return [int(v) for v in t.tolist()]
+
+    #: a rank's state in a vote, ordered: the minimum over the ranks wins
+    OK, OOM, WEIGHTLESS = 0, -1, -2
+
+    def vote(self, state: int, next_micro: int, used: list[int] | None = None,
+             deferred: bool = False) -> Vote:
+        """One all-reduce carrying this rank's state (:attr:`OK`,
+        :attr:`OOM` or :attr:`WEIGHTLESS`), the size it proposes, and in the
+        deferred mode which parameters it has gradients for (``used``, from
+        :meth:`prepare`; none: a rank that ran out of memory before it had
+        any). Built and read here only, so every rank sends the same
+        layout."""
+        width = len(self.params()) if deferred and self.ddp is not None else 0
+        used = list(used) if used is not None else [0] * width
+        if len(used) != width:
+            raise ValueError(f"a vote carries {width} parameter flags, not {len(used)}")
+        res = self.agree([state, next_micro] + [-u for u in used])
+        outcome = {self.OK: "ok", self.OOM: "oom", self.WEIGHTLESS: "weightless"}[res[0]]
+        return Vote(outcome, res[1], [v < 0 for v in res[2:]])
 
     # -- per step ------------------------------------------------------------
     def begin_step(self) -> None:

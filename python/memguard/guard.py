@@ -19,7 +19,6 @@ attempt survives.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import os
@@ -39,21 +38,17 @@ from memguard.budget import parse_budget
 from memguard.checkpoint import Checkpoints
 from memguard.checkpoint import wrap as wrap_checkpoints
 from memguard.cuda import Governor
-from memguard.distributed import PeerOOM, Peers
+from memguard.distributed import Peers
 from memguard.gc_hooks import GcHooks
-from memguard.gradcache import gradcache_backward
 from memguard.room import Room
+from memguard.step import GuardOOMError, Snapshot, StepArgs, Transaction
+from memguard.step import unpack as _unpack  # noqa: F401  (memguard.lightning reads it here)
 from memguard.telemetry import Level, PressureEvent, Sampler, open_exporter
 from memguard.telemetry import sample as telemetry_sample
-from memguard.transaction import PostStepError, check_finite, optimizer_step, reset_scaler
+from memguard.transaction import PostStepError, check_finite, optimizer_step
 
 log = logging.getLogger("memguard")
 
-#: the agreement's flag of a rank whose micro-batch weights sum to 0 (below
-#: an out-of-memory error's -1: the minimum over the ranks keeps it)
-_WEIGHTLESS = -2
-_PEER_WEIGHTLESS = ("another rank's micro-batch weights sum to 0: it has no weighted mean "
-                    "to average with this one's")
 
 #: Guard(budget=...) when none is given: the "budget" option (MEMGUARD_BUDGET,
 #: "auto" unless set)
@@ -61,17 +56,6 @@ _OPTION = object()
 
 _active_lock = threading.Lock()   # guards _active
 _active: Guard | None = None      # the installed guard of this process
-
-
-class GuardOOMError(RuntimeError):
-    """A step ran out of memory at every micro-batch size the guard may use."""
-
-    def __init__(self, tried: list[int], min_micro_batch: int) -> None:
-        self.tried = list(tried)
-        super().__init__(
-            "out of memory at every micro-batch size tried for this step "
-            f"({', '.join(map(str, tried))}; min_micro_batch={min_micro_batch}): lower "
-            "min_micro_batch, raise the budget, or checkpoint activations")
 
 
 @dataclasses.dataclass
@@ -112,78 +96,6 @@ class StepResult:
     aux: Any = None
     weight: float = 0.0
     tried: list[int] = dataclasses.field(default_factory=list)
-
-
-def _unpack(out: Any) -> tuple[torch.Tensor, Any, Any]:
-    """(loss, weight or None, aux or None) from what a loss_fn returned."""
-    if isinstance(out, torch.Tensor):
-        return out, None, None
-    if isinstance(out, tuple) and not hasattr(out, "_fields") and len(out) == 2:
-        return out[0], out[1], None
-    if isinstance(out, Mapping) and "loss" in out:
-        return out["loss"], out.get("weight"), out.get("aux")
-    if hasattr(out, "loss"):
-        return out.loss, getattr(out, "weight", None), getattr(out, "aux", None)
-    raise TypeError("loss_fn must return a loss tensor, (loss, weight), a mapping with "
-                    f"'loss', or an object with .loss (memguard.Output), not {type(out)!r}")
-
-
-class _Snapshot:
-    """State a failed attempt may have changed: buffers of the modules in
-    ``restore``, listed tensors, objects with ``state_dict``, and the RNG."""
-
-    def __init__(self, restore: Any) -> None:
-        items = restore if isinstance(restore, (list, tuple)) else (restore,)
-        self._saved: list[tuple[str, Any, Any]] = []
-        self._named: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # watched buffers
-        with torch.no_grad():
-            for obj in items:
-                if isinstance(obj, torch.nn.Module):
-                    bufs = [b for b in obj.buffers() if b is not None]
-                    saved = [b.clone() for b in bufs]
-                    self._saved.append(("buffers", bufs, saved))
-                    self._watch(obj, dict(zip(map(id, bufs), saved)))
-                elif isinstance(obj, torch.Tensor):
-                    self._saved.append(("tensor", obj, obj.clone()))
-                elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-                    self._saved.append(("state", obj, copy.deepcopy(obj.state_dict())))
-                else:
-                    raise TypeError("restore= takes modules (their buffers), tensors, or "
-                                    "objects with state_dict/load_state_dict, not "
-                                    f"{type(obj).__name__}")
-        self._rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def _watch(self, module: torch.nn.Module, saved: dict[int, torch.Tensor]) -> None:
-        """Buffers whose change in a forward pass means an update per
-        micro-batch: all but normalisation statistics (BatchNorm's differ
-        with the split by design)."""
-        for mname, m in module.named_modules():
-            if isinstance(m, torch.nn.modules.batchnorm._NormBase):
-                continue
-            for bname, b in m.named_buffers(recurse=False):
-                if b is not None and id(b) in saved:
-                    name = f"{type(module).__name__}.{mname + '.' if mname else ''}{bname}"
-                    self._named.append((name, b, saved[id(b)]))
-
-    def changed(self) -> list[str]:
-        """Names of watched buffers that differ from what they were."""
-        with torch.no_grad():
-            return [n for n, b, s in self._named if b.shape != s.shape or not torch.equal(b, s)]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for kind, obj, saved in self._saved:
-                if kind == "buffers":
-                    for b, s in zip(obj, saved):
-                        b.copy_(s)
-                elif kind == "tensor":
-                    obj.copy_(saved)
-                else:
-                    obj.load_state_dict(copy.deepcopy(saved))
-        torch.set_rng_state(self._rng)
-        if self._cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self._cuda_rng)
 
 
 class _PeakMeter:
@@ -764,6 +676,16 @@ class Guard:
             raise ValueError("mode='gradcache' takes an embed_fn, and only it does")
         n = _batch.batch_size(batch)
         peers = self._peers_for_step()
+        micro, begun = self._begin(batch, n, peers)
+        args = StepArgs(batch, n, loss_fn, optimizer, scaler, clip_grad_norm, post_step, restore,
+                        embed_fn, backward, pre_step, before_optimizer_step)
+        done = Transaction(self, args, micro, peers).run()
+        return self._finish(done, begun, n, post_step)
+
+    def _begin(self, batch: Any, n: int, peers: Peers | None) -> tuple[int, dict]:
+        """The step boundary: the level, the room, the peak meter, the
+        planner's decision (agreed by the ranks). Returns the micro-batch
+        size and what the step's event records of the plan."""
         level = self._boundary_level()   # first: it pushes the last step's CUDA peaks
         self._follow_room(level)
         self._floor = self._peak.start(batch)
@@ -781,145 +703,46 @@ class Guard:
         self._escalate(level, plan)
         if plan["action"] != "hold":
             self.micro_batch_changes += 1
-        snapshot = _Snapshot(restore)
-        acc = Accumulator(self.model, optimizer, scaler=scaler, clip_grad_norm=clip_grad_norm,
-                          backward=backward, before_optimizer_step=before_optimizer_step)
-        # under DDP, gradients leave a rank only after every rank said it
-        # has not run out of memory: in DDP's last backward (overlap), or
-        # in one all-reduce after all backward passes (deferred)
-        deferred = peers is not None and (not peers.overlap or embed_fn is not None)
-        tried: list[int] = []
-        used_anywhere: list[bool] = []
-        optimizer.zero_grad(set_to_none=True)
-        try:
-            if pre_step is not None:
-                pre_step()
-            while True:
-                agreed_once = False
+        return micro, {"plan": plan, "level": int(plan_level), "budget": plan_budget}
 
-                def agree_ok(weightless: ValueError | None = None, micro: int = micro) -> None:
-                    """The ranks agree before gradients leave this one; a rank
-                    whose weights sum to 0 (``weightless``, its error) makes
-                    every rank raise, instead of leaving the others waiting."""
-                    nonlocal agreed_once, used_anywhere
-                    if deferred:
-                        try:
-                            acc.normalize()     # each rank's weighted mean, then the average
-                        except ValueError as exc:
-                            weightless = exc
-                    used = peers.prepare(deferred)
-                    agreed_once = True
-                    res = peers.agree([_WEIGHTLESS if weightless else 0, micro] + [-u for u in used])
-                    if res[0] == _WEIGHTLESS:
-                        peers.reset()
-                        raise weightless or ValueError(_PEER_WEIGHTLESS)
-                    if res[0] < 0:
-                        raise PeerOOM(res[1], micro)
-                    used_anywhere = [v < 0 for v in res[2:]]
+    def _before_redo(self, batch: Any, failed: int, nxt: int, peer: bool) -> None:
+        """After an out-of-memory error, the state rolled back: memory
+        relieved, the peak meter restarted (the planner learns the retry's
+        peak), the pressure of the failed attempt forgotten (the OOM already
+        shrank for it), and the event and a log line."""
+        self.gc.relieve_oom()
+        self._floor = self._peak.start(batch)
+        with self._level_lock:
+            self._max_raw = Level.OK
+            self._window_t = time.time()
+        self.ooms_recovered += 1
+        self.micro_batch_changes += 1
+        self._event("oom_recovered", step=self.steps, failed_micro_batch=failed,
+                    micro_batch=int(nxt), peer=peer, planner_budget_bytes=self._planner_budget)
+        log.warning("memguard: step %d ran out of memory at micro-batch %s%s; redoing it at %d",
+                    self.steps, failed, " (on another rank)" if peer else "", int(nxt))
 
-                peer_oom = None
-                cause = None      # set when nothing smaller is left: the step gives up
-                refused = None    # set when another rank's weights sum to 0
-                try:
-                    with peers.attempt(deferred) if peers is not None else contextlib.nullcontext():
-                        if embed_fn is not None:
-                            loss_value, emb = gradcache_backward(
-                                batch, n, micro, embed_fn, loss_fn, scaler,
-                                model=None if deferred else self.model)
-                            acc.add_whole_batch(loss_value, -(-n // micro))
-                            aux = [emb]
-                        else:
-                            aux = self._attempt(batch, n, micro, loss_fn, acc,
-                                                agree_ok if peers is not None and not deferred
-                                                else None)
-                    if deferred:
-                        agree_ok()
-                    break
-                except PeerOOM as exc:
-                    tried.append(micro)
-                    peer_oom = exc
-                    nxt = exc.next
-                    if nxt:
-                        self._planner.agree(nxt, failed=exc.failed)
-                    else:
-                        cause = exc
-                except Exception as exc:
-                    if not allocator.is_oom(exc):
-                        acc.reset()
-                        raise
-                    if agreed_once:
-                        # the other ranks are in DDP's all-reduces already
-                        acc.reset()
-                        raise
-                    tried.append(micro)
-                    self._follow_room_now()    # the room may have fallen during the step
-                    nxt = self._planner.oom(micro) or 0
-                    if peers is not None:
-                        res = peers.agree([-1, nxt] + [0] * (len(peers.params()) if deferred else 0))
-                        if res[0] == _WEIGHTLESS:     # another rank's step cannot be done
-                            refused = ValueError(_PEER_WEIGHTLESS)
-                            refused.__cause__ = exc
-                        elif res[1] and res[1] != nxt:
-                            self._planner.agree(res[1])
-                        nxt = res[1]
-                    if not nxt:
-                        cause = exc
-                # out of the except block: the failed attempt's frames are gone
-                acc.reset()
-                snapshot.restore()
-                if peers is not None:
-                    peers.reset()
-                if refused is not None:
-                    raise refused
-                if cause is not None:
-                    self._event("oom_gave_up", tried=tried, peer=peer_oom is not None)
-                    raise GuardOOMError(tried, self.min_micro_batch) from cause
-                self.gc.relieve_oom()
-                self._floor = self._peak.start(batch)   # the peak the planner learns is the retry's
-                with self._level_lock:    # and the pressure the next boundary acts on:
-                    self._max_raw = Level.OK   # the OOM already shrank for the failed one
-                    self._window_t = time.time()
-                self.ooms_recovered += 1
-                self.micro_batch_changes += 1
-                self._event("oom_recovered", step=self.steps, failed_micro_batch=tried[-1],
-                            micro_batch=int(nxt), peer=peer_oom is not None,
-                            planner_budget_bytes=self._planner_budget)
-                log.warning("memguard: step %d ran out of memory at micro-batch %s%s; redoing it "
-                            "at %d", self.steps, tried[-1], " (on another rank)" if peer_oom
-                            else "", int(nxt))
-                micro = int(nxt)
-            if deferred:
-                peers.finish(used_anywhere)
-            n_micro, weight = acc.micro_batches, acc.weight
-            if n_micro > 1:
-                self._warn_changed_buffers(snapshot)
-            loss = self._commit(acc, optimizer)
-        except BaseException:
-            # whatever ended it: nothing of the step survives
-            acc.reset()
-            snapshot.restore()
-            if scaler is not None:
-                reset_scaler(scaler, optimizer)
-            if peers is not None:
-                peers.reset()
-            raise
-        if tried:
-            plan = self._planner.state()    # the step's decision was the OOM's
-        aux = _batch.concat(aux) if aux else None
+    def _finish(self, done: Any, begun: dict, n: int,
+                post_step: Callable[[Any], Any] | None) -> StepResult:
+        """The committed step: the planner learns its peak, it is counted and
+        recorded, then ``post_step`` runs (an error there says the step is
+        done)."""
+        plan = self._planner.state() if done.tried else begun["plan"]   # the OOM's decision
+        aux = _batch.concat(done.aux) if done.aux else None
         peak = self._peak.stop()
-        self._planner.end(micro, peak, self._floor)
+        self._planner.end(done.micro, peak, self._floor)
         if self._peak.source == "arena":
             self.room.record_peak(peak)
         self.peak_bytes = max(self.peak_bytes, peak)
-        res = StepResult(loss=loss, micro_batch=micro, n_micro=n_micro, retries=len(tried),
-                         peak_bytes=peak, aux=aux, weight=weight, tried=tried)
+        res = StepResult(loss=done.loss, micro_batch=done.micro, n_micro=done.n_micro,
+                         retries=len(done.tried), peak_bytes=peak, aux=aux, weight=done.weight,
+                         tried=done.tried)
         self.last = res
         # with the planner's inputs, so a recorded run replays through it
-        self._event("step", step=self.steps, micro_batch=micro, n_micro=n_micro,
-                    retries=len(tried), peak_bytes=peak, loss=loss,
-                    action=plan["action"], reason=plan["reason"], batch=n,
-                    level=int(plan_level), planner_budget_bytes=plan_budget,
-                    floor_bytes=self._floor)
+        self._event("step", step=self.steps, micro_batch=done.micro, n_micro=done.n_micro,
+                    retries=len(done.tried), peak_bytes=peak, loss=done.loss,
+                    action=plan["action"], reason=plan["reason"], batch=n, level=begun["level"],
+                    planner_budget_bytes=begun["budget"], floor_bytes=self._floor)
         self.steps += 1
         if post_step is not None:
             try:
@@ -929,7 +752,7 @@ class Guard:
                 raise PostStepError(self.steps - 1) from exc
         return res
 
-    def _warn_changed_buffers(self, snapshot: _Snapshot) -> None:
+    def _warn_changed_buffers(self, snapshot: Snapshot) -> None:
         """Once per buffer: a ``restore`` buffer that a split step's forward
         passes changed was updated once per micro-batch, not once per step."""
         for name in snapshot.changed():
@@ -1014,44 +837,6 @@ class Guard:
         if budget != self._planner_budget:
             self._planner.set_budget(budget)
             self._planner_budget = budget
-
-    def _attempt(self, batch: Any, n: int, micro: int, loss_fn: Callable[[Any], Any],
-                 acc: Accumulator,
-                 before_last_backward: Callable[..., None] | None = None) -> list:
-        """Forward and backward of every micro-batch; their aux, detached.
-        ``before_last_backward`` runs between the last forward and its
-        backward (the ranks' agreement before DDP synchronises), given the
-        error when this rank's weights sum to 0."""
-        auxes: list = []
-        # Sample weights are known up front: scale each loss by its share at
-        # once, so one micro-batch of the whole batch is the plain step.
-        acc.total_weight = float(n)
-        caller_weights = None
-        items = list(_batch.split(batch, n, micro))
-        for i, micro_batch in enumerate(acc.iterate(items)):
-            loss, weight, aux = _unpack(loss_fn(micro_batch))
-            if caller_weights is None:
-                caller_weights = weight is not None
-                if caller_weights:
-                    acc.total_weight = None
-            elif caller_weights != (weight is not None):
-                raise ValueError("loss_fn returned a weight for some micro-batches and not "
-                                 "for others")
-            if weight is None:
-                weight = _batch.batch_size(micro_batch)
-            if before_last_backward is not None and i == len(items) - 1:
-                # DDP averages in this backward: the rank's weighted mean must
-                # be complete when it ends, its caller's weights all known now
-                try:
-                    acc.close_weights(weight)
-                except ValueError as exc:
-                    before_last_backward(exc)   # raises on every rank
-                    raise
-                before_last_backward()
-            acc.backward(loss, weight)
-            if aux is not None:
-                auxes.append(_batch.detach(aux))
-        return auxes
 
     # -- evaluation --------------------------------------------------------
     @contextlib.contextmanager
