@@ -10,6 +10,7 @@ relative). And the hooks upstream loops need: ``before_optimizer_step``
 ``pre_step`` (a momentum update once a step)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -231,7 +232,7 @@ def test_adam_first_step_state_is_never_half_made():
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
-@pytest.mark.parametrize("index", [0, 1, 3])
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
 def test_an_interrupted_step_is_rolled_back(error, index):
     """KeyboardInterrupt or another exception in micro-batch ``index`` of 4:
     no gradient, no BatchNorm update, no optimizer state and no RNG draw of
@@ -315,20 +316,25 @@ def _dino_like(model, opt, frozen, clip, scaler=None):
     return hook
 
 
-@pytest.mark.parametrize("micro", [16, 4])
-@pytest.mark.parametrize("amp", [False, True])
-def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, amp):
-    """The DINO pattern through before_optimizer_step, split or not, in fp32
-    and with a GradScaler (the hook sees unscaled gradients): equal to the
+@pytest.mark.parametrize(("micro", "amp", "bf16"), [
+    (16, False, False), (4, False, False), (16, True, False), (4, True, False),
+    (16, False, True), (16, True, True)])
+def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, amp, bf16):
+    """The DINO pattern through before_optimizer_step, split or not, in fp32,
+    with a GradScaler (the hook sees unscaled gradients), and under bf16
+    autocast (whole batches: bf16 rounds a split differently): equal to the
     plain unsplit loop doing the same by hand."""
     data = batches()
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else \
+        contextlib.nullcontext
 
     def plain():
         model, opt = make("adamw-foreach", norm=False)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
         hook = _dino_like(model, opt, model[3], clip=0.05)
         for x, y in data:
-            loss = F.cross_entropy(model(x), y)
+            with autocast():
+                loss = F.cross_entropy(model(x), y)
             if scaler is None:
                 loss.backward()
                 hook(opt)
@@ -347,8 +353,13 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
         g = Guard(budget=None, micro_batch=micro, allocator=False)
         last = [p.detach().clone() for p in model[3].parameters()]
+
+        def loss_fn(b):
+            with autocast():
+                return loss_of(model)(b)
+
         for b in data:
-            g.step(b, loss_of(model), opt, scaler=scaler, restore=[model],
+            g.step(b, loss_fn, opt, scaler=scaler, restore=[model],
                    before_optimizer_step=_dino_like(model, opt, model[3], clip=0.05))
         assert all(torch.equal(p, q) for p, q in zip(model[3].parameters(), last))   # frozen
         return model, opt
