@@ -646,7 +646,9 @@ class Guard:
             pre_step: called once before the first micro-batch (a MoCo
                 momentum update); not again when the step is redone. What it
                 changes is rolled back with the step when listed in
-                ``restore``.
+                ``restore`` (a momentum encoder's parameters as tensors:
+                ``restore=[*encoder_k.parameters()]``; a module there stands
+                for its buffers).
             before_optimizer_step: called as
                 ``before_optimizer_step(optimizer)`` once the gradients are
                 the whole batch's and unscaled, before clipping and the
