@@ -477,3 +477,39 @@ def test_a_buffer_changed_in_forward_is_warned_about_once():
     assert len(msgs) == 1, msgs
     assert "Centered.center" in msgs[0] and "post_step" in msgs[0]
     assert "running_mean" not in msgs[0]
+
+
+def test_what_pre_step_changed_is_rolled_back_with_a_failed_step():
+    """A momentum update in pre_step, the key encoder's parameters listed in
+    restore=: a step that fails (here, an error in its last micro-batch)
+    leaves the encoder as it was; the redone step moves it once."""
+    torch.manual_seed(0)
+    q = torch.nn.Linear(6, 3)
+    k = copy.deepcopy(q).requires_grad_(False)
+    with torch.no_grad():
+        k.weight.add_(1.0)               # unlike q, so a momentum update moves it
+    opt = torch.optim.SGD(q.parameters(), lr=0.1)
+    g = Guard(budget=None, micro_batch=4, allocator=False)
+    before = [p.clone() for p in k.parameters()]
+
+    def momentum():
+        with torch.no_grad():
+            for pk, pq in zip(k.parameters(), q.parameters()):
+                pk.mul_(0.9).add_(pq, alpha=0.1)
+
+    calls = []
+
+    def loss_fn(b):
+        calls.append(1)
+        if len(calls) == 4:
+            raise ValueError("the last micro-batch fails")
+        return F.cross_entropy(q(b[0]) + k(b[0]), b[1])
+
+    b = batches(1)[0]
+    with pytest.raises(ValueError):
+        g.step(b, loss_fn, opt, restore=[*k.parameters()], pre_step=momentum)
+    assert all(torch.equal(p, s) for p, s in zip(k.parameters(), before))
+    q_before = [p.detach().clone() for p in q.parameters()]   # pre_step sees these
+    g.step(b, loss_fn, opt, restore=[*k.parameters()], pre_step=momentum)
+    for pk, s, sq in zip(k.parameters(), before, q_before):
+        torch.testing.assert_close(pk, 0.9 * s + 0.1 * sq)     # moved once, not twice
