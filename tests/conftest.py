@@ -18,3 +18,23 @@ def restore_options():
     yield
     for n, v in saved.items():
         _C.option_set(n, v)
+
+
+@pytest.fixture
+def arena():
+    """memguard's arena serving torch's CPU tensors, with no budget and an
+    empty cache, before and after the test (skips where it cannot be
+    installed)."""
+    import memguard
+    from memguard import allocator
+
+    allocator.set_budget(None)
+    try:
+        memguard.install()
+    except RuntimeError as exc:
+        pytest.skip(f"memguard's allocator cannot be installed here: {exc}")
+    allocator.trim()
+    yield
+    allocator.set_budget(None)
+    allocator.trim()
+    memguard.uninstall()

@@ -24,22 +24,6 @@ from memguard.room import Room
 MiB = 2**20
 
 
-@pytest.fixture
-def arena():
-    """memguard's arena serving torch's CPU tensors, with no budget and an
-    empty cache, before and after the test."""
-    allocator.set_budget(None)
-    try:
-        memguard.install()
-    except RuntimeError as exc:
-        pytest.skip(f"memguard's allocator cannot be installed here: {exc}")
-    allocator.trim()
-    yield
-    allocator.set_budget(None)
-    allocator.trim()
-    memguard.uninstall()
-
-
 def _one_step(g: Guard) -> None:
     """One step of a tiny model through g."""
     model = torch.nn.Linear(8, 2)

@@ -18,7 +18,6 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import memguard
 from memguard import Guard, allocator
 from memguard.transaction import (
     NonFiniteLossError,
@@ -142,28 +141,13 @@ def fail_step(opt, at: int, times: int) -> list:
     return failures
 
 
-@pytest.fixture
-def tight_arena():
-    """memguard's arena serving tensors under a budget just above what the
-    process holds in it: the optimizer's update could run out of memory."""
-    allocator.set_budget(None)
-    try:
-        memguard.install()
-    except RuntimeError as exc:
-        pytest.skip(f"memguard's allocator cannot be installed here: {exc}")
-    allocator.trim()
-    yield
-    allocator.set_budget(None)
-    memguard.uninstall()
-
-
 KINDS = ["adamw-foreach", "adamw-single", "sgd-foreach", "sgd-single"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("which", ["first", "later"])
 @pytest.mark.parametrize("times", [1, 2])
-def test_oom_in_the_optimizer_step(tight_arena, kind, which, times):
+def test_oom_in_the_optimizer_step(arena, kind, which, times):
     """Under a budget that leaves the update less than three times what it
     touches, an out-of-memory error at an operation in the middle of the
     update (after some of it was applied): once, the step is rolled back,
