@@ -10,7 +10,7 @@ CSRC   := $(wildcard csrc/*/*.c csrc/*/*.h include/memguard/*.h)
 
 all: build
 
-$(DEPS): requirements-dev.txt
+$(DEPS): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
@@ -24,7 +24,8 @@ build: $(EXT)
 test: build
 	$(PY) -m pytest -q
 
-# The C unit tests alone, plain and under AddressSanitizer + UBSan.
+# The C unit tests alone: plain, under AddressSanitizer + UBSan, and under
+# ThreadSanitizer (each skips where the compiler lacks its runtime).
 ctest: build
 	$(PY) -m pytest -q tests/test_c.py
 
@@ -39,7 +40,7 @@ demo: build
 
 # memguard's benchmarks, a pytest-benchmark suite: timings of each configuration,
 # the side-by-side ratios in the terminal summary and in out/bench.json; each run
-# is also saved under .benchmarks/ for `--benchmark-compare` (see the README).
+# is also saved under .benchmarks/ for `--benchmark-compare` (see docs/benchmarks.md).
 # BENCH_ARGS passes options on, e.g. BENCH_ARGS="--benchmark-compare -k throttle".
 BENCH_ARGS ?=
 bench: build
@@ -58,7 +59,7 @@ system-deps:
 	else echo "libjemalloc2: absent; install it (apt-get install libjemalloc2) to test with jemalloc"; fi
 
 lint: $(DEPS)
-	$(VENV)/bin/ruff check python tests benchmarks
+	$(VENV)/bin/ruff check python tests benchmarks examples
 
 clean:
 	rm -rf build python/memguard/_C*.so out .pytest_cache

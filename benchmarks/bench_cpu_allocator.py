@@ -59,7 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
-from memguard import run as mrun
+from memguard.cli import run as mrun
 
 CONFIGS = ["glibc", "glibc-tuned", "jemalloc", "memguard-preload", "memguard-inprocess"]
 WORKLOADS = ["vit-b8", "vit-b32", "dino-multicrop"]

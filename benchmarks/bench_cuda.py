@@ -9,7 +9,7 @@ worker, after --warmup untimed ones. Figures:
 1. Step time: the median of the steps as the worker timed them.
    Target: memguard / native <= 1.03.
 2. Peak reserved memory: native ``torch.cuda.max_memory_reserved()``,
-   memguard ``memguard.stats("cuda")["reserved_bytes.peak"]``, over the whole
+   memguard ``memguard.cuda.stats()["reserved_bytes.peak"]``, over the whole
    run. Target: memguard / native <= 1.00. Also given, for honesty (the
    driver rounds allocations up and holds its own context): device memory in
    use at the end of the run, ``total - free`` from ``torch.cuda.mem_get_info``.
@@ -110,7 +110,7 @@ def worker(mode: str, batch: int, depth: int, dim: int, image: int, amp: int,
         import memguard as mg
 
         # before anything touches CUDA: the allocator is chosen once per process
-        mg.install(device="cuda", allocator="memguard", budget=budget or None)
+        mg.cuda.install_allocator(budget=budget or None)
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -164,7 +164,7 @@ def worker(mode: str, batch: int, depth: int, dim: int, image: int, amp: int,
                         allocated_peak_bytes=torch.cuda.max_memory_allocated(dev),
                         num_ooms=st.get("num_ooms", 0),
                         num_alloc_retries=st.get("num_alloc_retries", 0))
-        s = mg.stats(device="cuda")
+        s = mg.cuda.stats()
         if s.get("num_allocs", 0) <= 0 or s.get("reserved_bytes.peak", 0) <= 0:
             raise RuntimeError(
                 f"memguard's CUDA allocator did not serve this run (num_allocs "

@@ -2,7 +2,7 @@
 that changes mid-run, the plain loop and memguard side by side.
 
 A ViT-S/16 with LoRA adapters (peft), batch 32 at 224 px, 2 threads (the
-first user's story; ``memguard.workload`` builds it) trains inside a memory cgroup
+first user's story; ``memguard.cli.workload`` builds it) trains inside a memory cgroup
 (v1 or v2) with a swap file the benchmark creates and removes; its plain
 loop needs about twice the limit. Each configuration is one run in a fresh
 process (pytest-benchmark times the run); the figures are its steps:
@@ -42,7 +42,8 @@ from benchlib import Figures, fmt, ratio, verdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
-from memguard import limits, workload
+from memguard.cli import workload
+from memguard.memory import limits
 
 MiB = 2**20
 SECTION = "pressure"

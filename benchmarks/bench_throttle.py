@@ -114,7 +114,7 @@ def full_long_peak() -> int:
     net, opt, loss_fn = build()
     batch = (torch.randn(BATCH, LONG, DIM), torch.randint(0, CLASSES, (BATCH,)))
     plain_step(batch, net, opt, loss_fn)        # optimizer state exists from here on
-    memguard.allocator.reset_peaks()
+    memguard.memory.arena.reset_peaks()
     plain_step(batch, net, opt, loss_fn)
     return memguard.stats()["allocated_bytes.peak"]
 
@@ -148,8 +148,8 @@ def serve_constrained(mode: str, steps: int) -> dict:
     data = dataset(steps)
 
     def run() -> dict:
-        memguard.allocator.set_budget(budget or None)
-        memguard.allocator.reset_peaks()
+        memguard.memory.arena.set_budget(budget or None)
+        memguard.memory.arena.reset_peaks()
         res = {"mode": mode, "budget_bytes": budget, "steps_planned": steps, "steps_done": 0,
                "steps_lost": 0, "restarts": 0, "batch": BATCH, "samples": 0, "failed": None,
                "seconds": 1.0, "peak_bytes": 0}
@@ -222,20 +222,20 @@ def serve_oom() -> dict:
     last = {"step": None}
 
     def whole() -> dict:
-        memguard.allocator.set_budget(None)
+        memguard.memory.arena.set_budget(None)
         if last["step"] != "whole":     # a normal step is a warm one: warm up first
             plain_step(batch, net, opt, loss_fn)
         last["step"] = "whole"
         return _timed(plain_step, batch, net, opt, loss_fn)
 
     def half() -> dict:
-        memguard.allocator.set_budget(budget)
+        memguard.memory.arena.set_budget(budget)
         last["step"] = "half"
         g = memguard.Guard(budget=None, micro_batch=BATCH // 2, allocator=False)
         return _timed(g.step, batch, loss_fn, opt)
 
     def recovered() -> dict:
-        memguard.allocator.set_budget(budget)
+        memguard.memory.arena.set_budget(budget)
         last["step"] = "recovered"
         g = memguard.Guard(budget=None, allocator=False)     # starts at the whole batch
         t = time.perf_counter()

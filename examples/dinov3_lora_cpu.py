@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         preds, peaks = [], []
         with guard.evaluate():
             for s in range(0, val_size, VAL_BATCH):
-                memguard.allocator.reset_peaks()
+                memguard.memory.arena.reset_peaks()
                 preds.append(guard.infer(val_x[s:s + VAL_BATCH], model))
                 peaks.append(memguard.stats()["allocated_bytes.peak"])
         pred = torch.cat(preds)

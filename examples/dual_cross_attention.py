@@ -16,7 +16,7 @@ here), an effective batch of 16, and activation checkpointing of the
 blocks that memguard switches on block by block when the smallest
 micro-batch is still under pressure, and off again, a quarter of the
 blocks every 8 calm steps, when it is not (``Guard(checkpoint=model.blocks)``,
-see :mod:`memguard.checkpoint`). ``--checkpoint-blocks 4`` starts with
+see :mod:`memguard.train.checkpoint`). ``--checkpoint-blocks 4`` starts with
 every block checkpointed: the whole batch then fits, and memguard turns
 checkpointing off as the run stays calm.
 

@@ -18,8 +18,8 @@ batch and a batch never wraps around the end of the queue.
 ``--variant v3`` (Chen et al., 2021, "An Empirical Study of Training
 Self-Supervised Vision Transformers"): no queue; each query is contrasted
 with the momentum encoder's keys of every sample in the batch, so the loss
-needs the whole batch at once. ``guard.step(..., mode="gradcache",
-embed_fn=...)`` embeds the micro-batches without a graph, computes that
+needs the whole batch at once. ``guard.step(..., embed_fn=model.embed)``
+embeds the micro-batches without a graph, computes that
 loss on the whole batch's embeddings, and backpropagates micro-batch by
 micro-batch.
 
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     # a graph); the momentum keys are recomputed in the second
                     # pass, the price of keeping them beside the queries
                     res = guard.step(batch, model.loss, optimizer, post_step=post_step_v3,
-                                     mode="gradcache", embed_fn=model.embed)
+                                     embed_fn=model.embed)
             except memguard.GuardOOMError as exc:
                 error = str(exc)
                 print(f"step {step}: {exc}")

@@ -26,7 +26,7 @@ def arena():
     empty cache, before and after the test (skips where it cannot be
     installed)."""
     import memguard
-    from memguard import allocator
+    from memguard.memory import arena as allocator
 
     allocator.set_budget(None)
     try:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import memguard
-from memguard import Guard, GuardOOMError, allocator
+from memguard import Guard, GuardOOMError
+from memguard.memory import arena as allocator
 
 D, E, T = 16, 8, 192   # features, outputs, tokens per sample
 SMALL = 64 << 10      # room for the small blocks a step also takes (RNG state, scalars)

@@ -21,12 +21,12 @@ MiB = 2**20
 @pytest.fixture(autouse=True)
 def arena():
     memguard.install()
-    memguard.allocator.set_budget(None)
+    memguard.memory.arena.set_budget(None)
     gc.collect()
     yield
     gc.collect()
     memguard.install()
-    memguard.allocator.set_budget(None)
+    memguard.memory.arena.set_budget(None)
 
 
 def alloc_now() -> int:
@@ -41,7 +41,7 @@ def test_tensors_come_from_the_arena(nbytes):
     grew = s["allocated_bytes.current"] - base["allocated_bytes.current"]
     assert nbytes <= grew <= max(64, nbytes * 1.25 + 4096 + 64)
     assert s["num_allocs"] == base["num_allocs"] + 1
-    assert memguard.allocator._C.arena_stats()["reserve_bytes"] > 0
+    assert memguard.memory.arena._C.arena_stats()["reserve_bytes"] > 0
     t.fill_(7)  # the whole block is usable
     assert int(t[-1]) == 7
     del t
@@ -96,7 +96,7 @@ def test_budget_holds_and_the_process_goes_on():
     gc.collect()
     memguard.trim()
     base = memguard.stats()["reserved_bytes.current"]
-    memguard.allocator.set_budget(base + 64 * MiB)
+    memguard.memory.arena.set_budget(base + 64 * MiB)
     keep = torch.empty(40 * MiB, dtype=torch.uint8)
     ooms = memguard.stats()["num_ooms"]
     with pytest.raises(RuntimeError) as exc:
@@ -123,11 +123,11 @@ def test_budget_failure_inside_backward_is_a_clean_oom():
     loss = model(x).square().mean()
     gc.collect()
     memguard.trim()
-    memguard.allocator.set_budget(memguard.stats()["reserved_bytes.current"] + 2 * MiB)
+    memguard.memory.arena.set_budget(memguard.stats()["reserved_bytes.current"] + 2 * MiB)
     with pytest.raises(RuntimeError) as exc:
         loss.backward()
     assert memguard.is_oom(exc.value)
-    memguard.allocator.set_budget(None)
+    memguard.memory.arena.set_budget(None)
     loss = model(x).square().mean()
     loss.backward()  # and the next step works
     assert model.weight.grad is not None
@@ -226,7 +226,7 @@ def test_bad_budget_is_a_valueerror():
 
 def test_cache_limit_releases_past_it():
     memguard.trim()
-    memguard.allocator.set_cache_limit("16MiB")
+    memguard.memory.arena.set_cache_limit("16MiB")
     try:
         blocks = [torch.empty(8 * MiB + i * MiB, dtype=torch.uint8) for i in range(4)]
         trims = memguard.stats()["num_trims"]
@@ -236,7 +236,7 @@ def test_cache_limit_releases_past_it():
         assert s["num_trims"] > trims
         assert s["cache_limit_bytes"] == 16 * MiB
     finally:
-        memguard.allocator.set_cache_limit(None)
+        memguard.memory.arena.set_cache_limit(None)
     assert memguard.stats()["cache_limit_bytes"] == 0
 
 
@@ -247,7 +247,7 @@ def test_budget_releases_only_the_cache_that_makes_room():
     gc.collect()
     memguard.trim()
     base = memguard.stats()["reserved_bytes.current"]
-    memguard.allocator.set_budget(base + 64 * MiB)
+    memguard.memory.arena.set_budget(base + 64 * MiB)
     def block(n: int) -> torch.Tensor:        # a request that fills an n MiB block
         return torch.empty(n * MiB - 64, dtype=torch.uint8)   # (64 bytes of header)
 

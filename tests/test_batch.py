@@ -1,4 +1,4 @@
-"""memguard._batch: splitting batches into micro-batches and joining outputs."""
+"""memguard.train.batch: splitting batches into micro-batches and joining outputs."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memguard import _batch
+from memguard.train import batch as _batch
 
 B = 7
 Pair = namedtuple("Pair", ["x", "y"])

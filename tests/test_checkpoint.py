@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memguard
-from memguard import checkpoint
+from memguard.train import checkpoint
 
 DIM, DEPTH = 64, 6
 
@@ -107,7 +107,7 @@ def test_no_grad_runs_blocks_plainly(vit):
 
 
 def _step_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
-    memguard.allocator.reset_peaks()
+    memguard.memory.arena.reset_peaks()
     base = memguard.stats()["allocated_bytes.current"]
     model(x).pow(2).mean().backward()
     peak = memguard.stats()["allocated_bytes.peak"] - base
@@ -143,7 +143,7 @@ def _levels_then_steps(guard, vit, opt, levels):
     x = torch.randn(8, 4, DIM)
     out = []
     for lv in levels:
-        guard._on_sample(types.SimpleNamespace(level=lv, raw_level=lv))
+        guard.signals._on_sample(types.SimpleNamespace(level=lv, raw_level=lv))
         res = guard.step(x, lambda b: vit(b).pow(2).mean(), opt)
         out.append((res.micro_batch, guard.checkpoints.n_on))
     return out
@@ -208,7 +208,7 @@ def test_ladder_on_a_replayed_swap_storm(vit):
     x = torch.randn(8, 4, DIM)
     got = []
     for s in replayed:
-        guard._on_sample(types.SimpleNamespace(level=s.level, raw_level=s.raw_level))
+        guard.signals._on_sample(types.SimpleNamespace(level=s.level, raw_level=s.raw_level))
         res = guard.step(x, lambda b: vit(b).pow(2).mean(), opt)
         got.append((int(s.raw_level), res.micro_batch, guard.checkpoints.n_on))
 

@@ -74,7 +74,7 @@ def test_demo_side_by_side_under_a_limit(tmp_path):
     """Under a real memory limit (root, a memory cgroup) and no swap file:
     the plain loop is killed by the kernel, or, where the machine swaps,
     falls behind; memguard's run does every step."""
-    from memguard import limits
+    from memguard.memory import limits
     why = limits.unavailable(swap=False)
     if why:
         pytest.skip(f"no memory cgroup here: {why}")

@@ -79,7 +79,7 @@ def test_cuda_oom_inside_a_step_is_recovered():
 
 def test_lightning_16_mixed_through_the_mixin(tmp_path):
     L = pytest.importorskip("lightning.pytorch")
-    from memguard.lightning import MemGuardCallback, MemGuardModule
+    from memguard.integrations.lightning import MemGuardCallback, MemGuardModule
 
     class Model(MemGuardModule, L.LightningModule):
         def __init__(self):

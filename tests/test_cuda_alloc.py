@@ -43,13 +43,22 @@ def lib():
     assert _C.cuda_host_used() == 0
 
 
+def test_native_stats_speak_the_allocators_names(lib):
+    """memguard.cuda.stats() means the same counters under either allocator:
+    every name PyTorch's counters are flattened to is one memguard's own
+    allocator reports."""
+    native = memguard.cuda.flat_native_stats({"num_device_alloc": 3, "num_device_free": 1})
+    assert native["num_device_allocs"] == 3 and native["num_device_frees"] == 1
+    assert set(native) <= set(memguard.cuda.stats())
+
+
 def test_blocks_are_counted_by_size(lib):
-    before = memguard.stats(device="cuda")
+    before = memguard.cuda.stats()
     sizes = (100, 5000, 3 * MIB + 1, 50 * MIB)
     ptrs = [lib.mg_cuda_alloc(n, 0, None) for n in sizes]
     assert all(p and p % 512 == 0 for p in ptrs)
     assert len(set(ptrs)) == len(ptrs)
-    s = memguard.stats(device="cuda")
+    s = memguard.cuda.stats()
     assert s["requested_bytes.current"] - before["requested_bytes.current"] == sum(sizes)
     grew = s["allocated_bytes.current"] - before["allocated_bytes.current"]
     assert sum(sizes) <= grew <= sum(sizes) * 9 // 8 + 2 * MIB
@@ -59,20 +68,20 @@ def test_blocks_are_counted_by_size(lib):
     ctypes.memset(ptrs[3], 0x5A, 50 * MIB)   # host memory stands in: writable
     for p, n in zip(ptrs, sizes):
         lib.mg_cuda_free(p, n, 0, None)
-    assert memguard.stats(device="cuda")["allocated_bytes.current"] == \
+    assert memguard.cuda.stats()["allocated_bytes.current"] == \
         before["allocated_bytes.current"]
 
 
 def test_a_training_loop_is_served_from_the_cache(lib):
     shapes = [64 * 197 * 384 * 4, 384 * 384 * 4, 1536 * 384 * 4, 4096, 64 * 1000 * 4]
     reserved = []
-    before = memguard.stats(device="cuda")
+    before = memguard.cuda.stats()
     for _ in range(6):
         ptrs = [lib.mg_cuda_alloc(n, 0, None) for n in shapes]
         for p, n in zip(reversed(ptrs), reversed(shapes)):
             lib.mg_cuda_free(p, n, 0, None)
-        reserved.append(memguard.stats(device="cuda")["reserved_bytes.current"])
-    s = memguard.stats(device="cuda")
+        reserved.append(memguard.cuda.stats()["reserved_bytes.current"])
+    s = memguard.cuda.stats()
     assert reserved[1:] == reserved[:1] * 5          # it plateaus after the first step
     assert s["num_cache_hits"] - before["num_cache_hits"] >= 5 * len(shapes)
     assert s["num_device_allocs"] - before["num_device_allocs"] <= len(shapes)
@@ -114,10 +123,10 @@ def test_budget_releases_cache_then_fails_cleanly(lib):
 
 def test_stats_validate_the_device(lib):
     with pytest.raises(ValueError, match="'tpu'"):
-        memguard.stats(device="tpu")
+        memguard.cuda.stats("tpu")
     with pytest.raises(ValueError, match="out of range"):
         _C.cuda_stats(64)
-    assert memguard.stats(device="cuda:3")["allocated_bytes.current"] == 0
+    assert memguard.cuda.stats("cuda:3")["allocated_bytes.current"] == 0
 
 
 THROW_TEST = r"""
@@ -184,17 +193,17 @@ def test_install_errors_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
     with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
-        memguard.install(device="cuda", allocator="memguard")
+        memguard.cuda.install_allocator()
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        memguard.install(device="cuda", budget="75%")
-    with pytest.raises(ValueError, match="'bogus'"):
-        memguard.install(device="cuda", allocator="bogus")
+        memguard.cuda.govern("75%")
+    with pytest.raises(ValueError, match="'cuda:x'"):
+        memguard.cuda.govern(device="cuda:x")
     with pytest.raises(ValueError, match="'lots'"):
-        memguard.install(device="cuda", budget="lots")
-    with pytest.raises(ValueError, match="cache_limit"):
-        memguard.install(device="cuda", cache_limit="1GiB")
-    with pytest.raises(ValueError, match="'native'"):
-        memguard.install(allocator="native")      # the CPU has no such choice
+        memguard.cuda.govern("lots")
+    with pytest.raises(ValueError, match="'lots'"):
+        memguard.cuda.install_allocator("lots")
+    with pytest.raises(TypeError, match="device"):
+        memguard.install(device="cuda")      # memguard.install is the CPU arena
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -204,7 +213,7 @@ def test_real_training_step_under_memguards_allocator():
     install in another."""
     code = textwrap.dedent("""
         import torch, memguard
-        memguard.install(device="cuda", allocator="memguard", budget="2GiB")
+        memguard.cuda.install_allocator(budget="2GiB")
         model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
                                     torch.nn.Linear(4096, 10)).cuda()
         opt = torch.optim.AdamW(model.parameters())
@@ -213,7 +222,7 @@ def test_real_training_step_under_memguards_allocator():
         with guard:
             for _ in range(3):
                 guard.step((x, y), lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1]), opt)
-        s = memguard.stats(device="cuda")
+        s = memguard.cuda.stats()
         assert s["num_allocs"] > 0 and s["reserved_bytes.peak"] <= 2 << 30, s
         try:
             torch.empty(3 << 30, dtype=torch.uint8, device="cuda")
@@ -231,7 +240,7 @@ def test_real_training_step_under_memguards_allocator():
         import torch, memguard
         torch.ones(1, device="cuda")
         try:
-            memguard.install(device="cuda", allocator="memguard")
+            memguard.cuda.install_allocator()
         except RuntimeError as e:
             print("REFUSED", e)
     """)

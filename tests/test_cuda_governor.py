@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import memguard
-from memguard import cuda
-from memguard.cuda import Governor, Replay, load_trace
+from memguard.memory import cuda
+from memguard.memory.cuda import Governor, Replay, load_trace
 from memguard.telemetry import Level, Sampler
 
 TRACES = pathlib.Path(__file__).parent / "fixtures" / "cuda"

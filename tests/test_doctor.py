@@ -1,4 +1,4 @@
-"""``memguard.doctor`` reports what /proc and /sys say, read here independently."""
+"""``memguard.cli.doctor`` reports what /proc and /sys say, read here independently."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from memguard import doctor
+from memguard import cli
+from memguard.cli import doctor
+from memguard.memory import cuda_advice
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 ITEMS = ["platform", "memory", "swap", "PSI", "cgroup", "THP", "overcommit", "jemalloc",
@@ -22,7 +24,7 @@ OLD, NEW = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
 
 
 def run_doctor(*args: str) -> subprocess.CompletedProcess:
-    """Run ``python -m memguard.doctor`` in a child process.
+    """Run ``python -m memguard doctor`` in a child process.
 
     Args:
         args: extra command-line arguments.
@@ -35,7 +37,7 @@ def run_doctor(*args: str) -> subprocess.CompletedProcess:
                                         if p)
     for name in ("MEMGUARD_PROC_ROOT", "MEMGUARD_CGROUP_ROOT"):
         env.pop(name, None)  # the test compares against the live /proc and /sys
-    return subprocess.run([sys.executable, "-m", "memguard.doctor", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "memguard", "doctor", *args], env=env,
                           capture_output=True, text=True, timeout=180, check=False)
 
 
@@ -206,26 +208,26 @@ def test_cuda_allocator_row_without_telemetry_reports_the_setting(
         rows: dict[str, tuple[str, str]]) -> None:
     found, can = rows["cuda allocator"]
     assert found == "no CUDA figures (reserved and allocated bytes unknown)"
-    on = any(doctor.expandable_on(os.environ.get(n)) for n in (OLD, NEW))
+    on = any(cuda_advice.expandable_on(os.environ.get(n)) for n in (OLD, NEW))
     assert can.startswith("expandable_segments is already on (" if on
                           else "expandable_segments is not on (")
     assert can.endswith("memguard doctor --telemetry RUN.jsonl")
 
 
 def test_fragmentation_threshold_both_sides() -> None:
-    gap = doctor.FRAGMENTATION_MIN_BYTES
-    assert gap == 512 * MiB and doctor.FRAGMENTATION_RATIO == 1.5
-    assert doctor.fragmented(gap * 2, gap * 3)          # exactly 1.5x and exactly 512 MiB
-    assert not doctor.fragmented(gap * 2, gap * 3 - 1)  # a byte under both
-    assert not doctor.fragmented(4 * GiB, 6 * GiB - 1)  # 1.5x less a byte
-    assert doctor.fragmented(4 * GiB, 6 * GiB)
-    assert not doctor.fragmented(100 * MiB, 600 * MiB)  # 6x but only 500 MiB cached
-    assert doctor.fragmented(100 * MiB, 612 * MiB)
-    assert doctor.fragmented(0, gap)
+    gap = cuda_advice.FRAGMENTATION_MIN_BYTES
+    assert gap == 512 * MiB and cuda_advice.FRAGMENTATION_RATIO == 1.5
+    assert cuda_advice.fragmented(gap * 2, gap * 3)          # exactly 1.5x and exactly 512 MiB
+    assert not cuda_advice.fragmented(gap * 2, gap * 3 - 1)  # a byte under both
+    assert not cuda_advice.fragmented(4 * GiB, 6 * GiB - 1)  # 1.5x less a byte
+    assert cuda_advice.fragmented(4 * GiB, 6 * GiB)
+    assert not cuda_advice.fragmented(100 * MiB, 600 * MiB)  # 6x but only 500 MiB cached
+    assert cuda_advice.fragmented(100 * MiB, 612 * MiB)
+    assert cuda_advice.fragmented(0, gap)
 
 
 def test_advice_on_the_fragmented_side_gives_the_export_line() -> None:
-    found, advice = doctor.expandable_segments_advice(4 * GiB, 6 * GiB, {})
+    found, advice = cuda_advice.expandable_segments_advice(4 * GiB, 6 * GiB, {})
     assert found == ("reserved 6.0 GiB, allocated 4.0 GiB (1.5x): 2.0 GiB held in cached "
                      "segments but not allocated (fragmentation)")
     assert advice.endswith(": export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
@@ -237,35 +239,35 @@ def test_advice_on_the_fragmented_side_gives_the_export_line() -> None:
 
 def test_advice_below_the_threshold_says_fine_and_gives_the_setting() -> None:
     env = {OLD: "max_split_size_mb:128"}
-    found, advice = doctor.expandable_segments_advice(4 * GiB, 6 * GiB - 1, env)
+    found, advice = cuda_advice.expandable_segments_advice(4 * GiB, 6 * GiB - 1, env)
     assert "fragmentation" not in found
     assert advice.startswith("reserved/allocated figures are fine")
     assert advice.endswith(f"expandable_segments is not on ({OLD}=max_split_size_mb:128, "
                            f"{NEW} unset)")
     assert "export" not in advice
-    found, advice = doctor.expandable_segments_advice(3 * GiB, 3 * GiB + 511 * MiB, env)
+    found, advice = cuda_advice.expandable_segments_advice(3 * GiB, 3 * GiB + 511 * MiB, env)
     assert advice.startswith("reserved/allocated figures are fine")
 
 
 def test_advice_merges_with_the_options_of_each_variable() -> None:
     env = {OLD: "max_split_size_mb:128", NEW: "garbage_collection_threshold:0.6"}
-    _, advice = doctor.expandable_segments_advice(1 * GiB, 2 * GiB, env)
+    _, advice = cuda_advice.expandable_segments_advice(1 * GiB, 2 * GiB, env)
     assert advice.endswith(
         f"export {OLD}=max_split_size_mb:128,expandable_segments:True "
         f"{NEW}=garbage_collection_threshold:0.6,expandable_segments:True")
 
 
 def test_merge_alloc_conf_replaces_an_explicit_false() -> None:
-    assert doctor.merge_alloc_conf(None) == "expandable_segments:True"
-    assert doctor.merge_alloc_conf("") == "expandable_segments:True"
-    assert (doctor.merge_alloc_conf("expandable_segments:False,max_split_size_mb:64")
+    assert cuda_advice.merge_alloc_conf(None) == "expandable_segments:True"
+    assert cuda_advice.merge_alloc_conf("") == "expandable_segments:True"
+    assert (cuda_advice.merge_alloc_conf("expandable_segments:False,max_split_size_mb:64")
             == "expandable_segments:True,max_split_size_mb:64")
-    assert (doctor.merge_alloc_conf(" max_split_size_mb:64 , expandable_segments : false,"
+    assert (cuda_advice.merge_alloc_conf(" max_split_size_mb:64 , expandable_segments : false,"
                                     "expandable_segments:False")
             == "max_split_size_mb:64,expandable_segments:True")
     env = {OLD: "expandable_segments:False", NEW: "max_split_size_mb:64"}
-    assert not doctor.expandable_on(env[OLD])
-    _, advice = doctor.expandable_segments_advice(1 * GiB, 2 * GiB, env)
+    assert not cuda_advice.expandable_on(env[OLD])
+    _, advice = cuda_advice.expandable_segments_advice(1 * GiB, 2 * GiB, env)
     assert advice.endswith(f"export {OLD}=expandable_segments:True "
                            f"{NEW}=max_split_size_mb:64,expandable_segments:True")
     assert advice.count("expandable_segments:False") == 1  # in the setting shown, not the line
@@ -277,17 +279,17 @@ def test_merge_alloc_conf_replaces_an_explicit_false() -> None:
     {OLD: "expandable_segments:False", NEW: "expandable_segments:1"},
 ])
 def test_already_on_in_either_variable(env: dict[str, str]) -> None:
-    found, advice = doctor.expandable_segments_advice(1 * GiB, 2 * GiB, env)
+    found, advice = cuda_advice.expandable_segments_advice(1 * GiB, 2 * GiB, env)
     assert found.endswith("(fragmentation)")
     assert advice.startswith("expandable_segments is already on (")
     assert "nothing to set" in advice
     assert "export" not in advice
-    _, advice = doctor.expandable_segments_advice(None, None, env)
+    _, advice = cuda_advice.expandable_segments_advice(None, None, env)
     assert advice.startswith("expandable_segments is already on (")
 
 
 def test_no_figures_gives_the_setting_and_how_to_get_them() -> None:
-    found, advice = doctor.expandable_segments_advice(None, 2 * GiB, {NEW: "expandable_segments:0"})
+    found, advice = cuda_advice.expandable_segments_advice(None, 2 * GiB, {NEW: "expandable_segments:0"})
     assert found == "no CUDA figures (reserved and allocated bytes unknown)"
     assert advice == (f"expandable_segments is not on ({OLD} unset, "
                       f"{NEW}=expandable_segments:0); for reserved and allocated figures "
@@ -295,7 +297,7 @@ def test_no_figures_gives_the_setting_and_how_to_get_them() -> None:
 
 
 def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, tuple[str, str]]:
-    """Run ``doctor.main`` in this process with ``--no-torch --json``.
+    """Run ``memguard doctor`` in this process with ``--no-torch --json``.
 
     Args:
         capsys: pytest's output capture.
@@ -304,7 +306,7 @@ def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, tup
     Returns:
         ``{item: (found, memguard)}``.
     """
-    assert doctor.main([*args, "--no-torch", "--json"]) == 0
+    assert cli.main(["doctor", *args, "--no-torch", "--json"]) == 0
     out = capsys.readouterr().out
     return {row["item"]: (row["found"], row["memguard"]) for row in json.loads(out)}
 

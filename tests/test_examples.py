@@ -83,7 +83,7 @@ def test_moco_queue_v2(tmp_path):
 
 
 def test_moco_queue_v3_gradcache(tmp_path):
-    """In-batch negatives through mode="gradcache": the loss sees the whole
+    """In-batch negatives through embed_fn= (GradCache): the loss sees the whole
     batch's embeddings, the momentum encoder moves once per step."""
     s = run_example("moco_queue", tmp_path, "--variant", "v3")
     check_common(s)

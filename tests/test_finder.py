@@ -36,7 +36,7 @@ def make_step():
 
 def peak_of(step, size: int) -> int:
     x = torch.randn(size, TOKENS, D_IN)
-    memguard.allocator.reset_peaks()
+    memguard.memory.arena.reset_peaks()
     step(x)
     return memguard.stats()["requested_bytes.peak"]   # what the finder measures
 
@@ -109,11 +109,11 @@ def test_an_out_of_memory_probe_counts_as_too_big(arena):
     sample = torch.randn(256, TOKENS, D_IN)
     memguard.trim()        # blocks cached by earlier tests are no room of this one's
     reserved = memguard.stats()["reserved_bytes.current"]
-    memguard.allocator.set_budget(reserved + (40 << 20))
+    memguard.memory.arena.set_budget(reserved + (40 << 20))
     try:
         res = memguard.find_batch_size(step, sample, budget=reserved + (40 << 20), margin=0.1,
                                        first_probe=16)
     finally:
-        memguard.allocator.set_budget(None)
+        memguard.memory.arena.set_budget(None)
     assert any(p is None for _, p in res.probes), res.probes
     assert res.size >= 16 and res.measured_peak_bytes <= (reserved + (40 << 20)) * 0.9

@@ -13,7 +13,7 @@ import pytest
 
 import memguard
 from memguard import _C
-from memguard.gc_hooks import GcHooks
+from memguard.memory.gc_hooks import GcHooks
 from memguard.telemetry import Level, Sampler, read_jsonl
 
 from .conftest import FIXTURES
@@ -132,7 +132,7 @@ def test_system_trim_is_glibc_in_a_plain_process():
 
 def test_relieve_releases_the_arena_cache():
     torch = pytest.importorskip("torch")
-    memguard.allocator.set_budget(None)
+    memguard.memory.arena.set_budget(None)
     try:
         memguard.install()
     except RuntimeError as e:  # no ELF import slots, or torch allocates elsewhere
@@ -155,7 +155,7 @@ def test_relieve_releases_the_arena_cache():
         assert hooks.stats.released_bytes == done["arena_released_bytes"]
         assert s["num_trims"] > trims
     finally:
-        memguard.allocator.set_budget(None)
+        memguard.memory.arena.set_budget(None)
         memguard.uninstall()
 
 

@@ -1,4 +1,4 @@
-"""memguard.gradcache.gradcache_backward: micro-batched backward of a loss with
+"""memguard.train.gradcache.gradcache_backward: micro-batched backward of a loss with
 in-batch negatives gives the unsplit step.
 
 Each comparison runs a model and its deep copy side by side, several SGD
@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import memguard
-from memguard import _batch, gradcache
-from memguard.gradcache import gradcache_backward
+from memguard.train import batch as _batch
+from memguard.train import gradcache
+from memguard.train.gradcache import gradcache_backward
 
 RTOL = 1e-5
 ATOL_SCALE = 1e-6
@@ -519,7 +520,7 @@ def test_peak_memory_is_lower_than_the_unsplit_backward():
             # gradients exist already (zeroed): both runs only accumulate
             model.zero_grad(set_to_none=False)
             base = memguard.stats()["allocated_bytes.current"]
-            memguard.allocator.reset_peaks()
+            memguard.memory.arena.reset_peaks()
             run()
             return memguard.stats()["allocated_bytes.peak"] - base
 
@@ -590,7 +591,7 @@ def test_rejects_an_embed_fn_that_does_not_repeat():
 
 @pytest.mark.parametrize("micro", [4, 5])
 def test_guard_step_gradcache_mode_equals_the_microbatchwise_step_with_dropout(micro):
-    """Guard.step(mode="gradcache") with dropout on: the same parameters as
+    """Guard.step(embed_fn=...) with dropout on: the same parameters as
     the split forward with graphs (the math GradCache reproduces), and the
     same as the unsplit step when dropout is off."""
     from memguard import Guard
@@ -605,7 +606,7 @@ def test_guard_step_gradcache_mode_equals_the_microbatchwise_step_with_dropout(m
             else:
                 ref_loss = plain_step(ref_opt, batch, ref, nt_xent)
             torch.manual_seed(7)
-            res = guard.step(batch, nt_xent, gc_opt, mode="gradcache", embed_fn=gc_model)
+            res = guard.step(batch, nt_xent, gc_opt, embed_fn=gc_model)
             assert res.loss == pytest.approx(ref_loss, rel=1e-6)
             assert res.n_micro == -(-N // micro) and res.micro_batch == micro
             assert res.aux.shape == (N, 2, D_OUT)
@@ -634,18 +635,23 @@ def test_guard_step_gradcache_recovers_from_an_oom_in_the_replay():
     microwise_step(ref_opt, batch, 4, ref, nt_xent)
     torch.manual_seed(3)
     res = Guard(budget=None, micro_batch=8, allocator=False).step(
-        batch, nt_xent, gc_opt, mode="gradcache", embed_fn=embed)
+        batch, nt_xent, gc_opt, embed_fn=embed)
     assert res.retries == 1 and res.tried == [8] and res.micro_batch == 4
     assert_same_params(ref, gc_model)
 
 
-def test_guard_step_mode_errors():
+def test_guard_step_callable_errors():
+    """GradCache is chosen by embed_fn alone; what must be callable is
+    checked before the step begins, and the error names the value."""
     from memguard import Guard
 
     model, opt, _, _ = encoder_twins()
     guard = Guard(budget=None, allocator=False)
     batch = views(steps=1)[0]
-    with pytest.raises(ValueError, match="'cache'"):
-        guard.step(batch, nt_xent, opt, mode="cache", embed_fn=model)
-    with pytest.raises(ValueError, match="embed_fn"):
-        guard.step(batch, nt_xent, opt, mode="gradcache")
+    with pytest.raises(ValueError, match="embed_fn must be callable, not 'model'"):
+        guard.step(batch, nt_xent, opt, embed_fn="model")
+    with pytest.raises(ValueError, match="post_step must be callable"):
+        guard.step(batch, nt_xent, opt, post_step=3)
+    with pytest.raises(TypeError, match="mode"):
+        guard.step(batch, nt_xent, opt, mode="gradcache", embed_fn=model)
+    assert guard.steps == 0

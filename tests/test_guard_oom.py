@@ -321,13 +321,13 @@ def _step_peak(model, batch, micro) -> int:
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     gc.collect()
     base = memguard.stats()["allocated_bytes.current"]
-    memguard.allocator.reset_peaks()
+    memguard.memory.arena.reset_peaks()
     Guard(budget=None, micro_batch=micro, allocator=False).step(batch, _mlp_loss(m), opt)
     return memguard.stats()["allocated_bytes.peak"] - base
 
 
 def _install_or_skip() -> None:
-    memguard.allocator.set_budget(None)
+    memguard.memory.arena.set_budget(None)
     try:
         memguard.install()
     except RuntimeError as e:  # no ELF import slots, or torch allocates elsewhere
@@ -352,7 +352,7 @@ def test_real_budget_oom_shrinks_and_matches_the_reference():
         # reserved = allocated + cached (+ slab space): after the trim, what is held now
         budget = s0["reserved_bytes.current"] + (full + half) // 2
         memguard.install(budget=budget)
-        memguard.allocator.reset_peaks()
+        memguard.memory.arena.reset_peaks()
         guard = Guard(budget=budget, allocator=False)
         res = guard.step(batch, _mlp_loss(model), opt)
         s1 = memguard.stats()
@@ -363,7 +363,7 @@ def test_real_budget_oom_shrinks_and_matches_the_reference():
         assert guard.peak_source == "arena" and 0 < res.peak_bytes <= budget
         assert all(p.grad is None for p in model.parameters())
 
-        memguard.allocator.set_budget(None)  # the reference runs unconstrained
+        memguard.memory.arena.set_budget(None)  # the reference runs unconstrained
         ref = Guard(budget=None, micro_batch=res.micro_batch, allocator=False).step(
             batch, _mlp_loss(ref_model), ref_opt)
         assert ref.retries == 0 and ref.loss == res.loss
@@ -373,7 +373,7 @@ def test_real_budget_oom_shrinks_and_matches_the_reference():
         gc.collect()
         assert memguard.stats()["allocated_bytes.current"] == pre
     finally:
-        memguard.allocator.set_budget(None)
+        memguard.memory.arena.set_budget(None)
         memguard.uninstall()
 
 
@@ -476,7 +476,7 @@ def test_queue_stays_aligned_with_divisor_of_and_a_planner_shrink():
     for step, x in enumerate(_xs(4)):
         # what the sampler's on_sample callback hands the guard between steps
         level = Level.HIGH if step == 1 else Level.OK
-        guard._on_sample(types.SimpleNamespace(level=level, raw_level=level))
+        guard.signals._on_sample(types.SimpleNamespace(level=level, raw_level=level))
         if step == 2:
             m.fail_at = {m.calls}
         res = guard.step(x, m.loss_fn, m.opt, post_step=m.queue.enqueue, restore=[m.queue])
@@ -667,11 +667,11 @@ def test_the_failed_attempts_pressure_is_not_counted_again():
     """The pressure a failed attempt caused (HIGH while it filled memory)
     was answered by the OOM's shrink; the next boundary acts on the retry's
     samples only, so the size is not halved a second time."""
-    guard, m, x = _recover_once(lambda g: g._on_sample(
+    guard, m, x = _recover_once(lambda g: g.signals._on_sample(
         types.SimpleNamespace(level=Level.HIGH, raw_level=Level.HIGH)))
     # the sampler's hysteresis level is back to OK by now; no sample of the
     # retry reached HIGH
-    guard._on_sample(types.SimpleNamespace(level=Level.OK, raw_level=Level.OK))
+    guard.signals._on_sample(types.SimpleNamespace(level=Level.OK, raw_level=Level.OK))
     second = guard.step(x, m.loss_fn, m.opt)
     assert second.micro_batch == BATCH // 2, guard.plan()
 
@@ -686,7 +686,7 @@ def test_a_late_sample_of_the_failed_attempt_is_not_counted(taken):
     at = []
     guard, m, x = _recover_once(lambda g: at.append(time.time()))
     t = at[0] if taken == "during the failed attempt" else time.time()
-    guard._on_sample(types.SimpleNamespace(t=t, level=Level.OK, raw_level=Level.HIGH))
+    guard.signals._on_sample(types.SimpleNamespace(t=t, level=Level.OK, raw_level=Level.HIGH))
     second = guard.step(x, m.loss_fn, m.opt)
     expect = BATCH // 2 if taken == "during the failed attempt" else BATCH // 4
     assert second.micro_batch == expect, guard.plan()

@@ -1,4 +1,4 @@
-"""memguard.lightning with real Lightning runs on CPU: a throttled run trains
+"""memguard.integrations.lightning with real Lightning runs on CPU: a throttled run trains
 like the unthrottled one, the callback logs through the trainer's loggers,
 its state survives a checkpoint and resume, and pressure or a real
 out-of-memory error inside a step shrinks the micro-batch without failing
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning.pytorch")
 
 import memguard
-from memguard.lightning import MemGuardCallback, MemGuardModule
+from memguard.integrations.lightning import MemGuardCallback, MemGuardModule
 from memguard.telemetry import Level
 
 N, BATCH, D = 64, 16, 8
@@ -109,7 +109,7 @@ def test_state_survives_checkpoint_and_resume(tmp_path):
     class Squeeze(L.Callback):       # pressure: the planner shrinks to 4
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx < 2:
-                cb.guard._on_sample(types.SimpleNamespace(level=Level.HIGH,
+                cb.guard.signals._on_sample(types.SimpleNamespace(level=Level.HIGH,
                                                           raw_level=Level.HIGH))
 
     t.callbacks.append(Squeeze())
@@ -163,7 +163,7 @@ def test_out_of_memory_inside_a_step_is_recovered(tmp_path):
 
         def added_peak(module, batch):
             """What one plain forward and backward adds to the arena at its peak."""
-            memguard.allocator.reset_peaks()
+            memguard.memory.arena.reset_peaks()
             base = memguard.stats()["allocated_bytes.current"]
             module.loss(batch).backward()
             module.zero_grad(set_to_none=True)
@@ -174,8 +174,8 @@ def test_out_of_memory_inside_a_step_is_recovered(tmp_path):
                 if batch_idx == 0 and trainer.current_epoch == 0:
                     full = added_peak(pl_module, batch)
                     half = added_peak(pl_module, [b[:BATCH // 2] for b in batch])
-                    memguard.allocator.trim()      # small cached blocks stay reserved
-                    memguard.allocator.set_budget(memguard.stats()["reserved_bytes.current"]
+                    memguard.memory.arena.trim()      # small cached blocks stay reserved
+                    memguard.memory.arena.set_budget(memguard.stats()["reserved_bytes.current"]
                                                   + (full + half) // 2 + (64 << 10))
 
         t = trainer(tmp_path, [cb, Lower()], max_epochs=1)
@@ -185,7 +185,7 @@ def test_out_of_memory_inside_a_step_is_recovered(tmp_path):
         assert cb.guard.micro_batch < BATCH
         assert all(torch.isfinite(p).all() for p in model.parameters())
     finally:
-        memguard.allocator.set_budget(None)
+        memguard.memory.arena.set_budget(None)
         memguard.uninstall()
 
 
@@ -247,17 +247,17 @@ def test_module_without_callback_uninstalls_its_own_guard(tmp_path):
     class Peek(L.Callback):
         def on_train_end(self, trainer, pl_module):
             seen["guard"] = pl_module.memguard
-            seen["allocator"] = memguard.allocator.installed()
+            seen["allocator"] = memguard.memory.arena.installed()
             seen["sampler"] = pl_module.memguard.sampler
 
-    was = memguard.allocator.installed()
+    was = memguard.memory.arena.installed()
     model = Guarded()
     trainer(tmp_path, [Peek()], max_epochs=1).fit(model, data())
     g = seen["guard"]
     assert g.steps == N // BATCH
-    assert not g._installed and g.sampler is None and not seen["sampler"].running
+    assert not g.installed and g.sampler is None and not seen["sampler"].running
     assert "_memguard_own" not in model.__dict__
-    assert memguard.allocator.installed() == was
+    assert memguard.memory.arena.installed() == was
     if g.allocator_error is None and not was:
         assert seen["allocator"]          # it was routed during the run
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from memguard import run as mrun
+from memguard.cli import run as mrun
 
 pytest.importorskip("torch")
 
@@ -44,7 +44,7 @@ TRAIN = """
     s = memguard.stats()
     import ctypes
     je = ctypes.c_int.in_dll(ctypes.CDLL(None), "mg_preload_jemalloc").value
-    print(json.dumps({"steps": steps, "preloaded": memguard.allocator.preloaded(),
+    print(json.dumps({"steps": steps, "preloaded": memguard.memory.arena.preloaded(),
                       "installed": memguard.installed(), "jemalloc": je,
                       "allocs": s["num_allocs"], "hits": s["num_cache_hits"],
                       "budget": s["budget_bytes"]}))

@@ -1,5 +1,5 @@
-"""Real memory limits: memguard.limits' cgroup and swap file, and a short
-training run (memguard.workload: a real ViT with LoRA, real torch) whose cgroup limit is
+"""Real memory limits: memguard.memory.limits' cgroup and swap file, and a short
+training run (memguard.cli.workload: a real ViT with LoRA, real torch) whose cgroup limit is
 lowered mid-run and raised again. Needs root, a cgroup memory controller and
 a file system that takes swap files; elsewhere every test here skips and
 says why. What a test makes is removed when it ends, also on failure.
@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from memguard import limits, workload
+from memguard.cli import workload
+from memguard.memory import limits
 
 MiB = 2**20
 WHY = limits.unavailable()

@@ -1,4 +1,4 @@
-"""The pytest plugin (memguard.pytest_plugin), driven through pytester.
+"""The pytest plugin (memguard.integrations.pytest_plugin), driven through pytester.
 
 Every run is a pytest subprocess: memguard's arena is process-global, so a
 budget installed by the plugin must not leak into this process. The plugin
@@ -16,7 +16,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = ("-p", "no:memguard", "-p", "memguard.pytest_plugin")
+PLUGIN = ("-p", "no:memguard", "-p", "memguard.integrations.pytest_plugin")
 MiB = 1 << 20
 
 # Looked up, not imported: pytester puts sys.modules back after each test, and
@@ -236,9 +236,9 @@ def test_inactive_unless_asked(pytester: pytest.Pytester) -> None:
 def test_peak_rss_without_clear_refs(pytester: pytest.Pytester) -> None:
     # where /proc/self/clear_refs cannot be written, ru_maxrss stands in
     pytester.makeconftest('''
-        import memguard.pytest_plugin as plugin
+        from memguard.train.peaks import RssPeak
 
-        plugin._Rss.reset_peak = lambda self: False
+        RssPeak.reset_peak = lambda self: False
     ''')
     pytester.makepyfile(test_hog='''
         def test_hog():

@@ -39,8 +39,9 @@ CHILD = r'''
 import json, sys, time
 import torch
 import memguard
-from memguard import Guard, allocator
-from memguard.tensorboard import TensorBoardExporter
+from memguard import Guard
+from memguard.memory import arena as allocator
+from memguard.telemetry.tensorboard import TensorBoardExporter
 
 MiB = 2**20
 jsonl, tb_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -183,7 +184,7 @@ def test_default_output_is_a_png_beside_the_telemetry(tmp_path):
 
 def test_recorded_demo_trace(tmp_path):
     """A schema-1 trace without arena fields or guard events."""
-    from memguard.report import report
+    from memguard.cli.report import report
 
     summary = report(DEMO_TRACE, tmp_path / "demo.html")
     assert summary.steps == 0 and summary.peak_arena_allocated_bytes is None
@@ -204,7 +205,7 @@ def test_missing_fields_and_no_events_still_give_a_report(tmp_path, kind):
                 sampler = Sampler(budget="4GiB")
                 for _ in range(3):
                     ex(sampler.sample_now())
-    from memguard.report import report
+    from memguard.cli.report import report
 
     for ext in ("png", "html"):
         assert report(src, tmp_path / f"r.{ext}").steps == 0
@@ -215,7 +216,7 @@ def test_missing_fields_and_no_events_still_give_a_report(tmp_path, kind):
 
 
 def test_bad_inputs_are_clear_errors(tmp_path):
-    from memguard.report import report
+    from memguard.cli.report import report
 
     missing = tmp_path / "nope.jsonl"
     out = cli("report", str(missing), "-o", str(tmp_path / "r.png"))
@@ -251,7 +252,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
 
 
 def test_import_memguard_needs_neither_matplotlib_nor_tensorboard():
-    code = ("import sys, memguard, memguard.report, memguard.tensorboard, memguard.cli; "
+    code = ("import sys, memguard, memguard.cli.report, memguard.telemetry.tensorboard, memguard.cli; "
             "print(sorted(m for m in ('matplotlib', 'tensorboard', 'torch.utils.tensorboard') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -335,7 +336,7 @@ def test_tensorboard_exporter_direct_use(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from memguard.tensorboard import TensorBoardExporter
+    from memguard.telemetry.tensorboard import TensorBoardExporter
 
     sampler = Sampler(budget="4GiB")
     with TensorBoardExporter(tmp_path) as tb:

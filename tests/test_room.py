@@ -1,4 +1,4 @@
-"""The live budget and what follows it (memguard.room), and a guard's budget
+"""The live budget and what follows it (memguard.memory.room), and a guard's budget
 from install to uninstall, with real torch, memguard's real arena and the
 live /proc: the cache that decays in step boundaries and stays within the
 working set, cache released at once when the budget falls, a failed install
@@ -18,8 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import memguard
-from memguard import Guard, allocator, room
-from memguard.room import Room
+from memguard import Guard
+from memguard.memory import arena as allocator
+from memguard.memory import room
+from memguard.memory.room import Room
 
 MiB = 2**20
 
@@ -118,7 +120,7 @@ def test_a_guard_with_no_budget_leaves_the_arena_budget_alone(arena) -> None:
 
 # -- the budget's lifecycle -----------------------------------------------------
 def _installed_state() -> dict:
-    return {"guard": memguard.guard._active, "arena_budget": allocator.stats()["budget_bytes"],
+    return {"guard": memguard.train.guard._active, "arena_budget": allocator.stats()["budget_bytes"],
             "gc_callbacks": len(gc.callbacks),
             "threads": sorted(t.name for t in threading.enumerate())}
 
@@ -127,30 +129,28 @@ def test_a_failed_install_leaves_nothing_installed() -> None:
     before = _installed_state()
     was = allocator.installed()
     g = Guard(budget="1MiB", telemetry=None)
-    with pytest.raises(ValueError, match="1 MiB is below what this process already holds"):
+    with pytest.raises(ValueError, match="1.0 MiB is below what this process already holds"):
         g.install()
     assert _installed_state() == before
-    assert allocator.installed() == was and not g._installed and g.sampler is None
+    assert allocator.installed() == was and not g.installed and g.sampler is None
 
 
-def test_a_failure_after_the_allocator_undoes_the_allocator(monkeypatch) -> None:
+def test_a_failure_after_the_allocator_undoes_the_allocator(monkeypatch, tmp_path) -> None:
     before = _installed_state()
     was = allocator.installed()
-    g = Guard(budget="auto")
+    g = Guard(budget="auto", telemetry=str(tmp_path / "run.jsonl"))
 
     def broken(*a, **kw):
         raise OSError("the exporter's disk is gone")
 
-    monkeypatch.setattr(memguard.guard, "open_exporter", broken)
-    g._telemetry_arg = "run.jsonl"
+    monkeypatch.setattr(memguard.train.signals, "open_exporter", broken)
     with pytest.raises(OSError, match="disk is gone"):
         g.install()
     assert _installed_state() == before and allocator.installed() == was
     # and it can be installed once the cause is gone
     monkeypatch.undo()
-    g._telemetry_arg = None
     with g:
-        assert memguard.guard._active is g
+        assert memguard.train.guard._active is g
     assert _installed_state() == before
 
 
@@ -159,11 +159,11 @@ def test_guards_do_not_nest() -> None:
     with a:
         with pytest.raises(RuntimeError, match="another memguard.Guard is installed"):
             b.install()
-        assert not b._installed
+        assert not b.installed
         a.install()                       # the installed one: idempotent
     with b:                               # once the first is gone, the second may
-        assert memguard.guard._active is b
-    assert memguard.guard._active is None
+        assert memguard.train.guard._active is b
+    assert memguard.train.guard._active is None
 
 
 def test_uninstall_restores_the_budget_installed_before(arena) -> None:

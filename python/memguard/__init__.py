@@ -1,81 +1,73 @@
-"""memguard: keep a PyTorch training run inside its memory budget.
+"""memguard: keep a PyTorch training run inside the memory it can have.
 
-The C core samples memory telemetry off the GIL and turns it into a pressure
-level; this package exposes it::
+::
 
     import memguard
 
-    memguard.parse_budget("12GiB")          # bytes
-    s = memguard.sample()                   # one synchronous reading
-    with memguard.telemetry.Sampler(interval_ms=100, budget="75%") as sampler:
-        sampler.on_pressure(lambda ev: print(ev.new, ev.sample.reasons))
-        ...
+    guard = memguard.Guard(budget="auto")     # what the process can have, live
+    with guard:
+        for batch in loader:
+            guard.step(batch, loss_fn, optimizer)
+
+The package follows the data path: :mod:`memguard.telemetry` (samples, the
+sampler, the pressure level, exporters), :mod:`memguard.memory` (the CPU
+arena, CUDA, gc hooks, the live budget), :mod:`memguard.train` (the guard,
+its step transaction and the helpers it splits batches with),
+:mod:`memguard.integrations` (Lightning, pytest) and :mod:`memguard.cli`.
+The names below are the public API, grouped by concern.
 """
-from memguard import allocator, telemetry
-from memguard._options import configure, option, options
-from memguard.allocator import install, installed, is_oom, stats, trim, uninstall
-from memguard.budget import parse_budget
-from memguard.telemetry import Level, PressureEvent, Sample, Sampler, sample
+import importlib
 
-__version__ = "0.1.0"
+from memguard import _options, telemetry
+from memguard._common import VERSION
+from memguard._options import MemguardConfigWarning, configure, option, options
+from memguard.memory import cuda
+from memguard.memory.arena import install, installed, stats, trim, uninstall
+from memguard.memory.oom import is_oom
+from memguard.telemetry import Event, Level, PressureEvent, Sample, Sampler, parse_budget, sample
 
-# These need torch; they load on first use so that `import memguard` works
-# (telemetry, doctor, `memguard run`) where torch is not installed.
+__version__ = VERSION
+
+# Training needs torch; these load on first use so that `import memguard`
+# works (telemetry, doctor, `memguard run`) where torch is not installed.
 _LAZY = {
-    "Guard": "memguard.guard",
-    "GuardOOMError": "memguard.guard",
-    "Output": "memguard.guard",
-    "StepResult": "memguard.guard",
-    "Accumulator": "memguard.accumulation",
-    "accumulate": "memguard.accumulation",
-    "BatchSizeResult": "memguard.finder",
-    "find_batch_size": "memguard.finder",
+    "Guard": "memguard.train.guard",
+    "Output": "memguard.train.guard",
+    "StepResult": "memguard.train.guard",
+    "GuardOOMError": "memguard.train.step",
+    "NonFiniteLossError": "memguard.train.transaction",
+    "OptimizerOOMError": "memguard.train.transaction",
+    "PostStepError": "memguard.train.transaction",
+    "Accumulator": "memguard.train.accumulation",
+    "accumulate": "memguard.train.accumulation",
+    "BatchSizeResult": "memguard.train.finder",
+    "find_batch_size": "memguard.train.finder",
 }
 
 
 def __getattr__(name: str):
-    if name == "checkpoint":             # the submodule, loaded on first use
-        import importlib
-
-        return importlib.import_module("memguard.checkpoint")
-    mod = _LAZY.get(name)
-    if mod is None:
+    if name == "checkpoint":             # the module: memguard.checkpoint.wrap(...)
+        value = importlib.import_module("memguard.train.checkpoint")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
         raise AttributeError(f"module 'memguard' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod), name)
     globals()[name] = value
     return value
 
-__all__ = [
-    "Accumulator",
-    "BatchSizeResult",
-    "Guard",
-    "GuardOOMError",
-    "Level",
-    "Output",
-    "PressureEvent",
-    "Sample",
-    "Sampler",
-    "StepResult",
-    "accumulate",
-    "allocator",
-    "checkpoint",
-    "configure",
-    "find_batch_size",
-    "install",
-    "installed",
-    "is_oom",
-    "option",
-    "options",
-    "parse_budget",
-    "sample",
-    "stats",
+
+__all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
+    # telemetry
+    "Event", "Level", "PressureEvent", "Sample", "Sampler", "parse_budget", "sample",
     "telemetry",
-    "trim",
-    "uninstall",
+    # memory
+    "cuda", "install", "installed", "is_oom", "stats", "trim", "uninstall",
+    # training
+    "Accumulator", "BatchSizeResult", "Guard", "GuardOOMError", "NonFiniteLossError",
+    "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
+    "find_batch_size",
+    # options
+    "MemguardConfigWarning", "configure", "option", "options",
 ]
 
-from memguard import _options as _opts
-
-_opts.warn_about_environment()
+_options.warn_about_environment()

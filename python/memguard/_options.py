@@ -13,12 +13,11 @@ import warnings
 
 from memguard import _C
 
-# Environment names memguard reads outside the option table.
-_OTHER_ENV = frozenset({"MEMGUARD_PRELOAD", "MEMGUARD_DEBUG"})
-
 
 class MemguardConfigWarning(UserWarning):
-    """A ``MEMGUARD_*`` environment variable was not understood."""
+    """A ``MEMGUARD_*`` environment variable was not understood (public as
+    ``memguard.MemguardConfigWarning``: filter it with
+    ``warnings.filterwarnings("error", category=memguard.MemguardConfigWarning)``)."""
 
 
 def _as_text(value: object) -> str:
@@ -70,7 +69,7 @@ def warn_about_environment() -> None:
     """Report bad or unknown ``MEMGUARD_*`` variables once, as warnings."""
     for message in _C.option_warnings():
         warnings.warn(message, MemguardConfigWarning, stacklevel=3)
-    known = {"MEMGUARD_" + n.upper() for n in _C.option_names()} | _OTHER_ENV
+    known = {"MEMGUARD_" + n.upper() for n in _C.option_names()}
     for key in os.environ:
         if key.startswith("MEMGUARD_") and key not in known:
             warnings.warn(

@@ -1,0 +1,29 @@
+"""Helpers every memguard module may use. This module imports nothing of
+memguard's own, so importing it never creates a cycle."""
+from __future__ import annotations
+
+from typing import Any
+
+VERSION = "0.1.0"
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def size(n: float | None) -> str:
+    """Bytes as people read them: ``512 B``, ``23.5 GiB``; ``?`` for None."""
+    if n is None:
+        return "?"
+    v = float(n)
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(v) < 1024 or unit == "TiB":
+            break
+        v /= 1024
+    return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+
+
+def is_auto(value: Any) -> bool:
+    """Whether a budget is written ``"auto"`` (any case, any padding)."""
+    return isinstance(value, str) and value.strip().lower() == "auto"

@@ -1,0 +1,118 @@
+"""memguard's budgeted caching allocator for CPU tensors, installed in-process.
+
+:func:`install` rewrites the import slots through which ``libc10.so`` (the
+library behind every torch CPU allocation, ``c10::alloc_cpu``) calls
+``posix_memalign``, ``free`` and ``realloc``, so tensor storage comes from
+memguard's arena: size classes cached for reuse, one reserved address range,
+and a budget. An allocation that would pass the budget first releases cached
+blocks, then fails the way torch always fails, with
+``RuntimeError: ... can't allocate memory ...``; the process goes on and the
+next allocation that fits succeeds. :func:`memguard.is_oom` recognises that error.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+from memguard import _C
+from memguard.telemetry.budget import parse_budget
+
+_lock = threading.Lock()  # serialises install/uninstall/set_budget from Python
+
+def install(budget: str | int | None = None, cache_limit: str | int | None = None) -> None:
+    """Route CPU tensor memory to memguard's arena. Idempotent. (CUDA:
+    :func:`memguard.memory.cuda.govern` and :func:`memguard.memory.cuda.install_allocator`.)
+
+    Args:
+        budget: the most the arena may hold (allocated plus cached), see
+            :func:`memguard.parse_budget`; ``None`` keeps the current budget
+            (none at first).
+        cache_limit: the most freed memory kept cached for reuse (a size or
+            a percentage, like a budget); ``None`` keeps the current limit
+            (none at first: the cache is bounded by the budget).
+
+    Raises:
+        RuntimeError: torch is not imported, the platform has no ELF import
+            slots, ``libc10.so`` does not import the functions memguard
+            rewrites, or the routing did not take effect (a probe tensor
+            was not served by the arena).
+        ValueError: a bad budget or cache limit.
+    """
+    if "torch" not in sys.modules:
+        raise RuntimeError("import torch before memguard.install(): there is no torch "
+                           "allocator to route yet")
+    import torch
+
+    with _lock:
+        if budget is not None:
+            _C.arena_set_budget(parse_budget(budget))
+        if cache_limit is not None:
+            _C.arena_set_cache_limit(parse_budget(cache_limit))
+        if _C.installed() or _C.preloaded():
+            return  # under `memguard run` every allocation is routed already
+        _C.install("libc10.so")
+        before = _C.arena_stats()["num_allocs"]
+        probe = torch.empty(4096, dtype=torch.uint8)
+        took = _C.arena_stats()["num_allocs"] > before
+        del probe
+        if not took:
+            _C.uninstall()
+            raise RuntimeError("memguard's allocator was installed but a probe tensor did not "
+                               "reach it: this torch build allocates CPU memory elsewhere")
+
+
+def uninstall() -> None:
+    """Give torch's allocations back to the system allocator. Idempotent.
+
+    Tensors allocated while installed stay valid and are freed correctly
+    later: memguard keeps handling their frees.
+    """
+    with _lock:
+        _C.uninstall()
+
+
+def installed() -> bool:
+    """Whether tensor allocations go to memguard's arena now (installed in
+    process, or the whole process runs under ``memguard run``)."""
+    return _C.installed() or _C.preloaded()
+
+
+def preloaded() -> bool:
+    """Whether this process runs under ``memguard run`` (the preload shim)."""
+    return _C.preloaded()
+
+
+def set_budget(budget: str | int | None) -> None:
+    """Change the arena's budget (``None``: no budget). Cached blocks above a
+    smaller budget are released at once."""
+    with _lock:
+        _C.arena_set_budget(0 if budget is None else parse_budget(budget))
+
+
+def set_cache_limit(limit: str | int | None) -> None:
+    """Keep at most this much freed memory cached (``None``: no limit beyond
+    the budget). A smaller limit releases the excess at once."""
+    with _lock:
+        _C.arena_set_cache_limit(0 if limit is None else parse_budget(limit))
+
+
+def stats() -> dict[str, int]:
+    """The arena's counters, flat, in PyTorch's vocabulary:
+    ``allocated_bytes.{current,peak}``, ``reserved_bytes.*``, ``active_bytes.*``,
+    ``requested_bytes.*``, ``cached_bytes``, ``budget_bytes``, ``cache_limit_bytes``,
+    ``num_allocs``, ``num_frees``, ``num_cache_hits``, ``num_ooms``, ``num_trims``,
+    ``trimmed_bytes`` (and more: see the allocator's page of the docs). Bytes
+    are block sizes (size classes round up by at most 25 %), except
+    ``requested_bytes``, which counts what callers asked for. A CUDA device's: :func:`memguard.memory.cuda.stats`."""
+    return _C.arena_stats()
+
+
+def trim(keep: int = 0) -> int:
+    """Give cached blocks back to the kernel until at most ``keep`` bytes stay
+    cached. Returns the bytes released."""
+    return _C.arena_trim(int(keep))
+
+
+def reset_peaks() -> None:
+    """Set every ``*.peak`` counter to its current value."""
+    _C.arena_reset_peaks()

@@ -1,0 +1,40 @@
+"""Memory telemetry: what the process and the machine hold, sampled by a C
+thread off the GIL, judged as a pressure level, and written to files.
+
+The data path: :mod:`~memguard.telemetry.samples` (one reading),
+:mod:`~memguard.telemetry.sampler` (the thread and its callbacks),
+:mod:`~memguard.telemetry.exporters` (JSONL and CSV files, TensorBoard in
+:mod:`~memguard.telemetry.tensorboard`), :mod:`~memguard.telemetry.events`
+(the names of what the guard records), :mod:`~memguard.telemetry.budget`
+(budgets as people write them).
+"""
+from memguard.telemetry.budget import parse_budget
+from memguard.telemetry.events import Event
+from memguard.telemetry.exporters import CsvExporter, JsonlExporter, open_exporter, read_jsonl
+from memguard.telemetry.sampler import Sampler
+from memguard.telemetry.samples import (
+    FIELD_NAMES,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    Level,
+    PressureEvent,
+    Sample,
+    sample,
+)
+
+__all__ = [
+    "FIELD_NAMES",
+    "SCHEMA_NAME",
+    "SCHEMA_VERSION",
+    "CsvExporter",
+    "Event",
+    "JsonlExporter",
+    "Level",
+    "PressureEvent",
+    "Sample",
+    "Sampler",
+    "open_exporter",
+    "parse_budget",
+    "read_jsonl",
+    "sample",
+]

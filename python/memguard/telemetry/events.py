@@ -1,0 +1,41 @@
+"""The names of the events memguard writes beside its samples.
+
+An event record in a JSONL run is ``{"type": "event", "event": <name>,
+"t": <epoch s>, ...}``; the exporters, ``memguard report`` and the
+TensorBoard exporter all read the names from here.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Event(str, enum.Enum):
+    """An event's name, compared and written as its string value."""
+
+    #: Guard.install: the budget, the room and whether the arena serves tensors
+    INSTALL = "install"
+    #: the live budget moved by more than 1/32 at a step boundary
+    ROOM = "room"
+    #: swapped-out pages of the process read back in after pressure eased
+    SWAP_IN = "swap_in"
+    #: a committed step, with the planner's inputs and decision
+    STEP = "step"
+    #: a step ran out of memory and is redone at a smaller micro-batch
+    OOM_RECOVERED = "oom_recovered"
+    #: a step ran out of memory at the smallest micro-batch and was rolled back
+    OOM_GAVE_UP = "oom_gave_up"
+    #: post_step raised after the step was committed
+    POST_STEP_FAILED = "post_step_failed"
+    #: blocks were checkpointed, or switched back off
+    CHECKPOINT = "checkpoint"
+    #: CRITICAL pressure with nothing left to shrink or checkpoint
+    CRITICAL = "critical"
+    #: a gc relief: collection, allocator trims, CUDA cache release
+    RELIEVE = "relieve"
+    #: the CUDA governor's advice on the device's allocator settings
+    CUDA_ADVICE = "cuda_advice"
+    #: PyTorch's CUDA allocator ran out of memory
+    CUDA_OOM = "cuda_oom"
+
+    def __str__(self) -> str:
+        return self.value

@@ -1,0 +1,107 @@
+"""A step boundary: where a guard looks at memory and decides the next
+step's micro-batch size.
+
+In order: the pressure level of the last step (:class:`~memguard.train.signals.Signals`),
+the room now (:class:`~memguard.memory.room.Room`: the live budget, and the
+arena's budget and cache following it), a relief while pressure is HIGH, the
+peak meter restarted, the planner's budget synchronised with what the peaks
+measure, then the plan (:class:`~memguard.train.plan.Plan`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from memguard.memory import arena
+from memguard.memory.gc_hooks import GcHooks
+from memguard.memory.room import Room
+from memguard.telemetry.events import Event
+from memguard.telemetry.samples import Level
+from memguard.train.peaks import PeakMeter
+from memguard.train.plan import Plan
+from memguard.train.signals import Signals
+
+
+class Boundary:
+    """The guard's parts that act between steps, and the order they act in."""
+
+    def __init__(self, room: Room, signals: Signals, plan: Plan, gc: GcHooks) -> None:
+        self.room, self.signals, self.planner, self.gc = room, signals, plan, gc
+        self.peak = PeakMeter()
+        self.floor = 0          # what the peak's source held as the step began
+        #: whether the guard is installed (it manages the arena only then)
+        self.active = False
+
+    def begin(self, batch: Any, n: int, peers: Any, step: int, budget: int) -> tuple[int, dict]:
+        """The boundary before step number ``step`` of ``n`` samples:
+        returns its size and what its event records of the plan."""
+        level = self.signals.boundary_level()   # first: it pushes the last step's CUDA peaks
+        self._follow_room(level, step)
+        self.floor = self.peak.start(batch)
+        self.sync_budget(budget)
+        return self.planner.begin(n, level, peers, step)
+
+    def restart(self, batch: Any) -> None:
+        """Before a step is redone after an out-of-memory error: memory
+        relieved, the peak meter restarted (the planner learns the retry's
+        peak), the failed attempt's pressure forgotten (the OOM already
+        shrank for it)."""
+        self.gc.relieve_oom()
+        self.floor = self.peak.start(batch)
+        self.signals.forget_attempt()
+
+    def end(self, micro: int) -> int:
+        """A committed step at ``micro``: its peak, learnt by the planner
+        (and by the room's cache bound, when the arena measured it)."""
+        peak = self.peak.stop()
+        self.planner.end(micro, peak, self.floor)
+        if self.peak.source == "arena":
+            self.room.record_peak(peak)
+        return peak
+
+    def follow_now(self, budget: int) -> None:
+        """Within a step (after an out-of-memory error): the room now, the
+        arena's budget and the planner's following it."""
+        self.room.follow(self.signals.latest_sample(), self._manages_arena())
+        self.sync_budget(budget)
+
+    def cache_keep(self) -> int:
+        """Arena cache a relief keeps: what the recent steps' working set
+        reuses (all of it before a step has run)."""
+        keep = self.room.cache_keep()
+        return int(arena.stats()["cached_bytes"]) if keep is None else keep
+
+    def sync_budget(self, budget: int) -> None:
+        """The planner plans against the budget of what the peaks measure:
+        the arena's (the room the live budget leaves tensors) when it serves
+        them, the device's for CUDA, the process's ``budget`` for RSS."""
+        if self.peak.source == "arena":
+            budget = arena.stats()["budget_bytes"]
+        elif self.peak.source == "cuda":
+            gov = self.signals.governor
+            budget = 0 if gov is None else \
+                gov.budget_bytes or (gov.last or {}).get("total_bytes", 0)
+        self.planner.set_budget(budget)
+
+    def _manages_arena(self) -> bool:
+        return self.active and self.room.manages_arena and arena.installed()
+
+    def _follow_room(self, level: int, step: int) -> None:
+        """The room now, and relief while pressure is HIGH or above (at most
+        the share of the time GcHooks allows)."""
+        before = self.room.last
+        outside = self.signals.take_outside_peak()
+        if step:
+            self.room.record_step(outside)
+        state = self.room.boundary(self.signals.latest_sample(), self._manages_arena())
+        if before is None or _moved(before.budget_bytes, state.budget_bytes):
+            self.signals.event(Event.ROOM, step=step, **state.to_dict())
+        if level >= Level.HIGH:
+            self.gc.relieve(Level(level).name.lower(), arena_keep=self.cache_keep())
+        back = self.room.recover_swap(level)
+        if back:
+            self.signals.event(Event.SWAP_IN, step=step, swap_bytes=back)
+
+
+def _moved(old: int, new: int) -> bool:
+    """Whether a budget moved by more than 1/32 (telemetry's "room" events)."""
+    return abs(new - old) * 32 > max(old, new)

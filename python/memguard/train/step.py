@@ -1,0 +1,489 @@
+"""One guarded step as a transaction, in three levels (Composer's
+``_train_batch`` / ``_train_microbatches`` / ``_train_microbatch``):
+
+* the step (:meth:`Transaction.run`) attempts, then commits or rolls back:
+  whatever ends it, nothing of a step that did not commit survives;
+* the attempt (:meth:`Transaction._attempt`) runs the micro-batches at one
+  size and knows nothing of retries; an out-of-memory error comes out of it
+  as a decision (:meth:`Transaction._redo_after`) to redo the step smaller,
+  or to give up;
+* the micro-batch (:meth:`Transaction._micro_batch`): one forward and one
+  backward.
+
+Under DDP the ranks agree through :meth:`memguard.train.distributed.Peers.vote`,
+before any gradient leaves a rank (see :mod:`memguard.train.distributed`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from memguard.memory.oom import is_oom
+from memguard.telemetry.events import Event
+from memguard.train import batch as _batch
+from memguard.train.accumulation import Accumulator
+from memguard.train.distributed import PeerOOM, Peers
+from memguard.train.gradcache import gradcache_backward
+from memguard.train.transaction import PostStepError, check_finite, optimizer_step, reset_scaler
+
+if TYPE_CHECKING:
+    from memguard.train.guard import Guard
+
+log = logging.getLogger("memguard")
+
+_PEER_WEIGHTLESS = ("another rank's micro-batch weights sum to 0: it has no weighted mean "
+                    "to average with this one's")
+
+
+@dataclasses.dataclass
+class Output:
+    """What a ``loss_fn`` may return instead of a bare loss.
+
+    Attributes:
+        loss: the micro-batch's mean loss.
+        weight: its weight in the step (default: its sample count).
+        aux: tensors (or a nest of them) to concatenate over the step's
+            micro-batches and hand to ``post_step`` once per step.
+    """
+    loss: torch.Tensor
+    weight: Any = None
+    aux: Any = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What :meth:`memguard.Guard.step` did.
+
+    Attributes:
+        loss: the step's mean loss (weighted like the gradients).
+        micro_batch: the micro-batch size the step finished at.
+        n_micro: how many micro-batches it took.
+        retries: attempts redone after an out-of-memory error.
+        peak_bytes: the step's peak memory (arena, CUDA or RSS: see
+            :attr:`memguard.Guard.peak_source`).
+        aux: the concatenated ``aux`` of the micro-batches, or ``None``.
+        weight: the step's total weight.
+        tried: sizes that ran out of memory in this step.
+    """
+    loss: float
+    micro_batch: int
+    n_micro: int
+    retries: int
+    peak_bytes: int
+    aux: Any = None
+    weight: float = 0.0
+    tried: list[int] = dataclasses.field(default_factory=list)
+
+
+class GuardOOMError(RuntimeError):
+    """A step ran out of memory at every micro-batch size the guard may use."""
+
+    def __init__(self, tried: list[int], min_micro_batch: int) -> None:
+        self.tried = list(tried)
+        super().__init__(
+            "out of memory at every micro-batch size tried for this step "
+            f"({', '.join(map(str, tried))}; min_micro_batch={min_micro_batch}): lower "
+            "min_micro_batch, raise the budget, or checkpoint activations")
+
+
+def unpack(out: Any) -> tuple[torch.Tensor, Any, Any]:
+    """(loss, weight or None, aux or None) from what a loss_fn returned."""
+    if isinstance(out, torch.Tensor):
+        return out, None, None
+    if isinstance(out, tuple) and not hasattr(out, "_fields") and len(out) == 2:
+        return out[0], out[1], None
+    if isinstance(out, Mapping) and "loss" in out:
+        return out["loss"], out.get("weight"), out.get("aux")
+    if hasattr(out, "loss"):
+        return out.loss, getattr(out, "weight", None), getattr(out, "aux", None)
+    raise TypeError("loss_fn must return a loss tensor, (loss, weight), a mapping with "
+                    f"'loss', or an object with .loss (memguard.Output), not {type(out)!r}")
+
+
+class Snapshot:
+    """State a failed attempt may have changed: buffers of the modules in
+    ``restore``, listed tensors, objects with ``state_dict``, and the RNG."""
+
+    def __init__(self, restore: Any) -> None:
+        items = restore if isinstance(restore, (list, tuple)) else (restore,)
+        self._saved: list[tuple[str, Any, Any]] = []
+        self._named: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # watched buffers
+        with torch.no_grad():
+            for obj in items:
+                if isinstance(obj, torch.nn.Module):
+                    bufs = [b for b in obj.buffers() if b is not None]
+                    saved = [b.clone() for b in bufs]
+                    self._saved.append(("buffers", bufs, saved))
+                    self._watch(obj, dict(zip(map(id, bufs), saved)))
+                elif isinstance(obj, torch.Tensor):
+                    self._saved.append(("tensor", obj, obj.clone()))
+                elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+                    self._saved.append(("state", obj, copy.deepcopy(obj.state_dict())))
+                else:
+                    raise TypeError("restore= takes modules (their buffers), tensors, or "
+                                    "objects with state_dict/load_state_dict, not "
+                                    f"{type(obj).__name__}")
+        self._rng = torch.get_rng_state()
+        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def _watch(self, module: torch.nn.Module, saved: dict[int, torch.Tensor]) -> None:
+        """Buffers whose change in a forward pass means an update per
+        micro-batch: all but normalisation statistics (BatchNorm's differ
+        with the split by design)."""
+        for mname, m in module.named_modules():
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase):
+                continue
+            for bname, b in m.named_buffers(recurse=False):
+                if b is not None and id(b) in saved:
+                    name = f"{type(module).__name__}.{mname + '.' if mname else ''}{bname}"
+                    self._named.append((name, b, saved[id(b)]))
+
+    def changed(self) -> list[str]:
+        """Names of watched buffers that differ from what they were."""
+        with torch.no_grad():
+            return [n for n, b, s in self._named if b.shape != s.shape or not torch.equal(b, s)]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for kind, obj, saved in self._saved:
+                if kind == "buffers":
+                    for b, s in zip(obj, saved):
+                        b.copy_(s)
+                elif kind == "tensor":
+                    obj.copy_(saved)
+                else:
+                    obj.load_state_dict(copy.deepcopy(saved))
+        torch.set_rng_state(self._rng)
+        if self._cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self._cuda_rng)
+
+
+@dataclasses.dataclass
+class StepArgs:
+    """What :meth:`memguard.Guard.step` was given (see there)."""
+    batch: Any
+    n: int
+    loss_fn: Callable[[Any], Any]
+    optimizer: torch.optim.Optimizer
+    scaler: Any = None
+    clip_grad_norm: float | None = None
+    post_step: Callable[[Any], Any] | None = None
+    restore: Any = ()
+    embed_fn: Callable[[Any], Any] | None = None
+    backward: Callable[[torch.Tensor], Any] | None = None
+    pre_step: Callable[[], Any] | None = None
+    before_optimizer_step: Callable[[torch.optim.Optimizer], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss_fn):
+            raise ValueError(f"loss_fn must be callable, not {self.loss_fn!r}")  # noqa: TRY004 - one error type for every bad argument
+        for name in ("post_step", "embed_fn", "backward", "pre_step", "before_optimizer_step"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise ValueError(f"{name} must be callable, not {fn!r}")
+
+
+@dataclasses.dataclass
+class Done:
+    """A committed step: its loss, the size it finished at, its
+    micro-batches and weight, the aux of its micro-batches, the sizes that
+    ran out of memory."""
+    loss: float
+    micro: int
+    n_micro: int
+    weight: float
+    aux: list
+    tried: list[int]
+
+
+@dataclasses.dataclass
+class _Redo:
+    """Out of memory at ``failed``: redo the step at ``next`` (0: give up,
+    ``cause`` the error; ``refused``: another rank cannot do the step). A
+    redo keeps no error: its traceback would keep the failed attempt's
+    frames, and their tensors, alive into the retry."""
+    failed: int
+    next: int
+    peer: bool
+    cause: BaseException | None = None
+    refused: BaseException | None = None
+
+
+class Transaction:
+    """One step of a guard (see the module docs)."""
+
+    def __init__(self, guard: Guard, args: StepArgs, micro: int, begun: dict,
+                 peers: Peers | None, warned: set[str]) -> None:
+        self.g, self.a, self.micro, self.peers = guard, args, micro, peers
+        self.begun = begun                 # the boundary's plan, level and budget
+        self.warned = warned               # restore buffers warned about, over the run
+        self.snapshot = Snapshot(args.restore)
+        self.acc = Accumulator(guard.model, args.optimizer, scaler=args.scaler,
+                               clip_grad_norm=args.clip_grad_norm, backward=args.backward,
+                               before_optimizer_step=args.before_optimizer_step)
+        # under DDP, gradients leave a rank only after every rank said it
+        # has not run out of memory: in DDP's last backward (overlap), or
+        # in one vote after all backward passes (deferred)
+        self.deferred = peers is not None and (not peers.overlap or args.embed_fn is not None)
+        self.tried: list[int] = []
+        self.aux: list = []
+        self._voted = False                # this attempt's gradients may have left the rank
+        self._used_anywhere: list[bool] = []
+
+    # -- the step ------------------------------------------------------------
+    def run(self) -> StepResult:
+        """The step, committed and recorded, then ``post_step`` (an error
+        there says the step is done)."""
+        done = self._attempt_and_commit()
+        g, res = self.g, self._record(done)
+        if self.a.post_step is not None:
+            try:
+                self.a.post_step(res.aux)
+            except Exception as exc:   # after the commit: the step is done
+                g.signals.event(Event.POST_STEP_FAILED, step=g.steps - 1, error=repr(exc))
+                raise PostStepError(g.steps - 1) from exc
+        return res
+
+    def _attempt_and_commit(self) -> Done:
+        """Attempt until the micro-batches are done, then commit; whatever
+        ends it otherwise, roll back and re-raise."""
+        self.a.optimizer.zero_grad(set_to_none=True)
+        try:
+            if self.a.pre_step is not None:
+                self.a.pre_step()
+            while (redo := self._attempt_or_redo()) is not None:
+                self._reset_attempt()          # out of the except block: its frames are gone
+                self._redo(redo)
+            if self.deferred:
+                self.peers.finish(self._used_anywhere)
+            n_micro, weight = self.acc.micro_batches, self.acc.weight
+            if n_micro > 1:
+                self._warn_changed_buffers()
+            loss = self._commit()
+        except BaseException:
+            self._roll_back()
+            raise
+        return Done(loss, self.micro, n_micro, weight, self.aux, self.tried)
+
+    def _record(self, done: Done) -> StepResult:
+        """The committed step: the planner learns its peak, the guard counts
+        it, and its event records the planner's inputs (a recorded run
+        replays through it)."""
+        g, begun = self.g, self.begun
+        plan = g.planner.state() if done.tried else begun["plan"]   # the OOM's decision
+        aux = _batch.concat(done.aux) if done.aux else None
+        peak = g.boundary.end(done.micro)
+        g.peak_bytes = max(g.peak_bytes, peak)
+        g.last = StepResult(loss=done.loss, micro_batch=done.micro, n_micro=done.n_micro,
+                            retries=len(done.tried), peak_bytes=peak, aux=aux,
+                            weight=done.weight, tried=done.tried)
+        g.signals.event(Event.STEP, step=g.steps, micro_batch=done.micro, n_micro=done.n_micro,
+                        retries=len(done.tried), peak_bytes=peak, loss=done.loss,
+                        action=plan["action"], reason=plan["reason"], batch=self.a.n,
+                        level=begun["level"], planner_budget_bytes=begun["budget"],
+                        floor_bytes=g.boundary.floor)
+        g.steps += 1
+        return g.last
+
+    def _commit(self) -> float:
+        """The step's update: a finite loss (without a scaler: with one, the
+        scaler skips non-finite steps itself), the hook and clipping, then
+        the optimizer step as all or nothing. Returns the step's loss."""
+        if self.acc.scaler is None:
+            check_finite(self.acc.loss)
+        self.acc.prepare()
+        return optimizer_step(self.a.optimizer, self.acc.apply,
+                              lambda: self.g.gc.relieve("optimizer", force=True))
+
+    def _warn_changed_buffers(self) -> None:
+        """Once per buffer: a ``restore`` buffer that a split step's forward
+        passes changed was updated once per micro-batch, not once per step."""
+        for name in self.snapshot.changed():
+            if name in self.warned:
+                continue
+            self.warned.add(name)
+            warnings.warn(
+                f"memguard: buffer {name} changed during the forward passes of a step split "
+                f"into micro-batches, so it was updated once per micro-batch, not once per "
+                f"step: move its update to post_step (which gets the step's concatenated aux) "
+                f"or pre_step", UserWarning, stacklevel=4)
+
+    def _roll_back(self) -> None:
+        """Nothing of the step survives: gradients, restored state, the
+        scaler's record of this step, DDP's state."""
+        self._reset_attempt()
+        if self.a.scaler is not None:
+            reset_scaler(self.a.scaler, self.a.optimizer)
+
+    def _reset_attempt(self) -> None:
+        self.acc.reset()
+        self.snapshot.restore()
+        if self.peers is not None:
+            self.peers.reset()
+
+    def _redo(self, redo: _Redo) -> None:
+        """Give up, or get ready to redo the step at the smaller size."""
+        if redo.refused is not None:
+            raise redo.refused
+        if not redo.next:
+            self.g.signals.event(Event.OOM_GAVE_UP, tried=self.tried, peer=redo.peer)
+            raise GuardOOMError(self.tried, self.g.config.min_micro_batch) from redo.cause
+        g = self.g
+        g.boundary.restart(self.a.batch)
+        g.ooms_recovered += 1
+        g.planner.changes += 1
+        g.signals.event(Event.OOM_RECOVERED, step=g.steps, failed_micro_batch=redo.failed,
+                        micro_batch=redo.next, peer=redo.peer, planner_budget_bytes=g.planner.budget)
+        log.warning("memguard: step %d ran out of memory at micro-batch %s%s; redoing it at %d",
+                    g.steps, redo.failed, " (on another rank)" if redo.peer else "", redo.next)
+        self.micro = redo.next
+
+    # -- the attempt -----------------------------------------------------------
+    def _attempt_or_redo(self) -> _Redo | None:
+        """One attempt at the planned size: ``None`` once its micro-batches
+        are done (and, in the deferred mode, agreed); on an out-of-memory
+        error here or on another rank, what to redo at.
+
+        Raises:
+            what is not an out-of-memory error, and an out-of-memory error
+            after this rank's gradients began to leave it (DDP's own
+            synchronising backward: the other ranks are in its all-reduces).
+        """
+        self._voted = False
+        try:
+            peers = self.peers
+            with peers.attempt(self.deferred) if peers is not None else contextlib.nullcontext():
+                self.aux = self._attempt()
+            if self.deferred:
+                self._agree_done()
+            return None
+        except PeerOOM as exc:
+            self.tried.append(self.micro)
+            if exc.next:
+                self.g.planner.agree(exc.next, failed=exc.failed)
+                return _Redo(self.micro, exc.next, True)
+            return _Redo(self.micro, 0, True, cause=exc)
+        except Exception as exc:
+            if not is_oom(exc) or self._voted:
+                raise
+            self.tried.append(self.micro)
+            return self._redo_after(exc)
+
+    def _redo_after(self, exc: BaseException) -> _Redo:
+        """This rank ran out of memory: the planner's next size, agreed with
+        the other ranks (the smallest; 0 when one gives up)."""
+        g = self.g
+        g.boundary.follow_now(g.budget_bytes)   # the room may have fallen during the step
+        nxt = g.planner.oom(self.micro)
+        if self.peers is None:
+            return _Redo(self.micro, nxt, False, cause=None if nxt else exc)
+        vote = self.peers.vote(self.peers.OOM, nxt, deferred=self.deferred)
+        if vote.outcome == "weightless":       # another rank's step cannot be done
+            refused = ValueError(_PEER_WEIGHTLESS)
+            refused.__cause__ = exc
+            return _Redo(self.micro, 0, False, refused=refused)
+        if vote.next and vote.next != nxt:
+            g.planner.agree(vote.next)
+        return _Redo(self.micro, vote.next, False, cause=None if vote.next else exc)
+
+    def _attempt(self) -> list:
+        """The micro-batches at the planned size: their aux, detached."""
+        a = self.a
+        if a.embed_fn is not None:
+            loss, emb = gradcache_backward(a.batch, a.n, self.micro, a.embed_fn, a.loss_fn,
+                                           a.scaler, model=None if self.deferred
+                                           else self.g.model)
+            self.acc.add_whole_batch(loss, -(-a.n // self.micro))
+            return [emb]
+        # Sample weights are known up front: scale each loss by its share at
+        # once, so one micro-batch of the whole batch is the plain step.
+        self.acc.total_weight = float(a.n)
+        self._caller_weights: bool | None = None
+        items = list(_batch.split(a.batch, a.n, self.micro))
+        auxes: list = []
+        for i, micro_batch in enumerate(self.acc.iterate(items)):
+            aux = self._micro_batch(micro_batch, last=i == len(items) - 1)
+            if aux is not None:
+                auxes.append(_batch.detach(aux))
+        return auxes
+
+    def _agree_done(self, weightless: ValueError | None = None) -> None:
+        """The ranks agree before gradients leave this one; a rank whose
+        weights sum to 0 (``weightless``, its error) makes every rank raise,
+        instead of leaving the others waiting."""
+        if self.deferred:
+            try:
+                self.acc.normalize()           # each rank's weighted mean, then the average
+            except ValueError as exc:
+                weightless = exc
+        used = self.peers.prepare(self.deferred)
+        self._voted = True
+        vote = self.peers.vote(self.peers.WEIGHTLESS if weightless else self.peers.OK,
+                               self.micro, used or None, deferred=self.deferred)
+        if vote.outcome == "weightless":
+            self.peers.reset()
+            raise weightless or ValueError(_PEER_WEIGHTLESS)
+        if vote.outcome == "oom":
+            raise PeerOOM(vote.next, self.micro)
+        self._used_anywhere = vote.used_anywhere
+
+    # -- the micro-batch -------------------------------------------------------
+    def _micro_batch(self, micro_batch: Any, last: bool) -> Any:
+        """One forward and backward, its loss weighted by its share; its aux.
+        Before the last backward with DDP synchronising it (overlap), the
+        ranks agree, the rank's caller weights all known."""
+        loss, weight, aux = unpack(self.a.loss_fn(micro_batch))
+        caller = weight is not None
+        if self._caller_weights is None:
+            self._caller_weights = caller
+            if caller:
+                self.acc.total_weight = None
+        elif self._caller_weights != caller:
+            raise ValueError("loss_fn returned a weight for some micro-batches and not "
+                             "for others")
+        if weight is None:
+            weight = _batch.batch_size(micro_batch)
+        if last and self.peers is not None and not self.deferred:
+            # DDP averages in this backward: the rank's weighted mean must
+            # be complete when it ends, its caller's weights all known now
+            try:
+                self.acc.close_weights(weight)
+            except ValueError as exc:
+                self._agree_done(exc)          # raises on every rank
+                raise
+            self._agree_done()
+        self.acc.backward(loss, weight)
+        return aux
+
+
+def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
+    """:meth:`memguard.Guard.infer`: ``fn`` over ``batch`` under ``no_grad``
+    in micro-batches, going on after an out-of-memory error from the
+    micro-batch that failed, at the planner's smaller size."""
+    n = _batch.batch_size(batch)
+    micro, start, outs, tried = min(guard.micro_batch or n, n), 0, [], []
+    with torch.no_grad():
+        while start < n:
+            stop = min(start + micro, n)
+            try:
+                outs.append(_batch.detach(fn(_batch.slice_(batch, start, stop))))
+                start = stop
+                continue
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                tried.append(micro)
+                guard.boundary.follow_now(guard.budget_bytes)
+                micro = guard.planner.oom(micro)
+                if not micro:
+                    raise GuardOOMError(tried, guard.config.min_micro_batch) from exc
+            guard.gc.relieve_oom()     # out of the except block: its frames are gone
+            guard.ooms_recovered += 1
+    return _batch.concat(outs)
