@@ -31,7 +31,7 @@ which only frees, does not:
   effect when the test starts, and every sample taken during it).
 
 The terminal summary lists the ``--memguard-top N`` tests (10; 0 for all)
-with the highest peak RSS; ``--memguard-json PATH`` (which implies
+with the largest RSS growth; ``--memguard-json PATH`` (which implies
 ``--memguard``) writes every test's record, with ``nodeid``, ``outcome``
 and ``duration_s`` (setup, call and teardown), as JSON. With
 pytest-benchmark, a test that uses the ``benchmark`` fixture gets the
@@ -573,7 +573,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("memguard", "memory figures per test (memguard)")
     group.addoption("--memguard", action="store_true", default=False,
                     help="record each test's peak RSS, tensor peak, page faults, gc time and "
-                         "pressure level; list the tests with the highest peak RSS")
+                         "pressure level; list the tests with the largest RSS growth")
     group.addoption("--memguard-top", type=int, default=10, metavar="N",
                     help="tests listed in the memguard summary (default 10, 0 for all)")
     group.addoption("--memguard-json", default=None, metavar="PATH",
