@@ -6,7 +6,7 @@ DEPS   := $(VENV)/.memguard-deps
 EXT    := python/memguard/_C$(shell $(PYTHON) -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
 CSRC   := $(wildcard csrc/*/*.c csrc/*/*.h include/memguard/*.h)
 
-.PHONY: all build test ctest demo bench system-deps lint clean
+.PHONY: all build test ctest demo bench fuzz system-deps lint clean
 
 all: build
 
@@ -48,6 +48,13 @@ bench: build
 	@mkdir -p out
 	$(PY) -m pytest benchmarks/ --benchmark-only --benchmark-autosave \
 	  --benchmark-json=out/bench.json -p no:cacheprovider $(BENCH_ARGS)
+
+# libFuzzer targets over the C parsers (/proc and cgroup files, budgets,
+# options), FUZZ_SECONDS each under ASan + UBSan + LeakSanitizer; needs clang.
+# `make test` runs each for 10 s where clang is present.
+FUZZ_SECONDS ?= 600
+fuzz: $(DEPS)
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS)
 
 # Optional system packages: jemalloc for `memguard run` (its tests skip without it).
 system-deps:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import memguard
 from memguard import Guard, GuardOOMError
 from memguard.memory import arena as allocator
+from memguard.train.step import SkipStep
 
 D, E, T = 16, 8, 192   # features, outputs, tokens per sample
 SMALL = 64 << 10      # room for the small blocks a step also takes (RNG state, scalars)
@@ -119,6 +120,10 @@ def main() -> None:
     ap.add_argument("--weightless-rank", type=int, default=-1,
                     help="with --caller-weights: this rank's weights are 0 at --weightless-at")
     ap.add_argument("--weightless-at", type=int, default=-1)
+    ap.add_argument("--skip-rank", type=int, default=-1,
+                    help="this rank's loss_fn skips the batch (SkipStep) after its forward ...")
+    ap.add_argument("--skip-at", type=int, default=-1, help="... at this step, in its last "
+                    "micro-batch")
     ap.add_argument("--oom-in-backward", type=int, default=-1,
                     help="the OOM rank runs out of memory inside the backward of this step's "
                          "last micro-batch (its first attempt): DDP's reducer is mid-way")
@@ -173,11 +178,18 @@ def main() -> None:
                     low = 4096 if a.tiny_budget else \
                         memguard.stats()["reserved_bytes.current"] + extra + SMALL
             weightless = rank == a.weightless_rank and s == a.weightless_at
+            skip = [rank == a.skip_rank and s == a.skip_at,
+                    max(1, a.batch // int(micro)) if micro != "auto" else 1]
             lowered = [low is None]
             if oom_here and s == a.oom_in_backward:   # the last micro-batch's backward
                 backward_oom["armed"] = max(1, a.batch // int(micro)) if micro != "auto" else 1
 
-            def loss_fn(b, weightless=weightless, low=low, lowered=lowered):
+            def loss_fn(b, weightless=weightless, low=low, lowered=lowered, skip=skip):
+                if skip[0]:
+                    skip[1] -= 1
+                    if not skip[1]:          # as a training_step that looked at its loss
+                        loss_of(ddp, teacher, *b)
+                        raise SkipStep("this rank skips the batch")
                 if not lowered[0]:
                     # the budget falls inside the step, where no planner can
                     # see it coming: the step runs out of memory
@@ -193,6 +205,9 @@ def main() -> None:
             except GuardOOMError as exc:
                 record["gave_up"] = exc.tried
                 break
+            except SkipStep as exc:       # skipped on every rank alike
+                record.setdefault("skipped", []).append((s, str(exc)))
+                continue
             except ValueError as exc:     # a step no rank could do: every rank says so
                 record.setdefault("errors", []).append((s, str(exc)))
                 continue

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import namedtuple
 
 import pytest
@@ -45,7 +46,7 @@ STRUCTURES = {
     "crops": lambda n: [_x(n), _x(n) + 1, _x(n)[:, :2], _x(n)[:, :2] - 1],
     "captions": lambda n: {"x": _x(n), "captions": _names(n)},
     "scalar_leaves": lambda n: {"x": _x(n), "temp": torch.tensor(0.5), "k": 3, "tag": "run"},
-    "nested": lambda n: {"a": (_x(n), {"y": _y(n), "names": tuple(_names(n))}),
+    "nested": lambda n: {"a": (_x(n), {"y": _y(n), "names": _names(n), "size": (224, 224)}),
                          "b": [Pair(_x(n), _y(n))]},
 }
 
@@ -162,6 +163,37 @@ def test_batch_size_errors():
         _batch.batch_size(5)
 
 
+def test_metadata_tuples_are_the_same_for_every_micro_batch():
+    """A tuple of plain values (an image size, a split name) is metadata,
+    even when its length happens to be the batch size; a list of plain
+    values is per sample."""
+    batch = {"x": _x(2), "meta": ("train", 224), "names": ["a.jpg", "b.jpg"]}
+    assert _batch.batch_size(batch) == 2
+    first, second = _batch.split(batch, 2, 1)
+    assert first["meta"] == second["meta"] == ("train", 224)
+    assert first["names"] == ["a.jpg"] and second["names"] == ["b.jpg"]
+
+
+@pytest.mark.parametrize("where, batch", [
+    ("batch", [torch.zeros(4) for _ in range(4)]),
+    ("batch['x']", {"x": [torch.zeros(3, 2) for _ in range(3)], "y": torch.zeros(3)}),
+    ("batch[1]", (torch.zeros(2, 5), [torch.zeros(2), torch.zeros(2)])),
+])
+def test_unstacked_per_sample_tensors_are_refused(where, batch):
+    """A list of tensors as long as their dim 0 may be one tensor per sample
+    (split along its features, it would be silently wrong): refused, naming
+    where it is and the two ways out."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)} is a list of .*torch\.stack.*tuple"):
+        _batch.checked_size(batch)
+    _batch.batch_size(batch)               # micro-batches are not checked again
+
+
+def test_batched_tensors_in_a_tuple_or_a_longer_list_split():
+    crops = [torch.zeros(4, 3), torch.zeros(4, 3)]          # two crops of a batch of 4
+    assert _batch.checked_size(crops) == 4
+    assert _batch.checked_size(tuple(torch.zeros(3, 2) for _ in range(3))) == 3
+
+
 def test_leaves_depth_first():
     x, y = _x(), _y()
     names = _names()
@@ -180,10 +212,13 @@ def test_concat_edge_cases():
     # samples lists flatten; non-splittable values keep the first piece's
     got = _batch.concat([{"n": ["a"], "k": 1}, {"n": ["b", "c"], "k": 1}])
     assert got == {"n": ["a", "b", "c"], "k": 1}
-    joined = _batch.concat([Pair(torch.ones(2), ("p",)), Pair(torch.zeros(1), ("q", "r"))])
+    joined = _batch.concat([Pair(torch.ones(2), ["p"]), Pair(torch.zeros(1), ["q", "r"])])
     assert isinstance(joined, Pair)
     assert torch.equal(joined.x, torch.tensor([1.0, 1.0, 0.0]))
-    assert joined.y == ("p", "q", "r")
+    assert joined.y == ["p", "q", "r"]
+    # a tuple of plain values is metadata: the first piece's, as for an int
+    meta = _batch.concat([(torch.ones(1), (224, 224)), (torch.ones(2), (224, 224))])
+    assert meta[1] == (224, 224) and meta[0].shape == (3,)
 
 
 def test_detach_structures():

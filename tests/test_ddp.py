@@ -98,6 +98,23 @@ def test_weights_summing_to_zero_on_one_rank_stop_the_step_on_both(tmp_path, ove
         assert torch.equal(v, r1["state"][k]), k
 
 
+@pytest.mark.parametrize("micro", ["4", "16"], ids=["4-micro-batches", "one-micro-batch"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+def test_a_batch_skipped_on_one_rank_is_skipped_on_both(tmp_path, overlap, micro):
+    """Rank 1's loss_fn skips step 2's batch in its last micro-batch (a
+    Lightning training_step returning None): both ranks roll the step back
+    and skip it, rank 0 naming the other rank, instead of one waiting for
+    the other; the other steps train alike on both."""
+    r0, r1 = torchrun(tmp_path, "--micro-batch", micro, "--skip-rank", "1", "--skip-at", "2",
+                      *(["--overlap"] if overlap else []))
+    assert [s for s, _ in r0["skipped"]] == [s for s, _ in r1["skipped"]] == [2]
+    assert "another rank" in r0["skipped"][0][1]
+    assert "this rank skips" in r1["skipped"][0][1]
+    assert len(r0["micro"]) == len(r1["micro"]) == 4
+    for k, v in r0["state"].items():
+        assert torch.equal(v, r1["state"][k]), k
+
+
 def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
     """Rank 1 runs out of memory in the first step's backward at the full
     size; both ranks redo it at half the size and keep that size."""

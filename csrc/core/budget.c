@@ -174,6 +174,8 @@ int mg_parse_budget(const char *text, uint64_t total, uint64_t available, uint64
         return rc;
     if (v == 0)
         return EINVAL;
+    if (v > MG_BUDGET_MAX)
+        return ERANGE;
     *out = v;
     return 0;
 }

@@ -56,7 +56,7 @@ static pthread_once_t opt_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t opt_lock = PTHREAD_MUTEX_INITIALIZER; /* guards opts[] and warnings */
 
 #define MAX_WARNINGS 16
-static char warnings[MAX_WARNINGS][200]; /* guarded by opt_lock */
+static char warnings[MAX_WARNINGS][256]; /* guarded by opt_lock */
 static int n_warnings;
 
 /* Parse text into option o; 0 or EINVAL. Caller holds opt_lock or is loading. */
@@ -89,6 +89,47 @@ static void warn(const char *fmt, const char *a, const char *b)
         snprintf(warnings[n_warnings++], sizeof(warnings[0]), fmt, a, b);
 }
 
+/* The thresholds of one signal: ELEVATED, HIGH, CRITICAL must rise (headroom:
+ * fall), as the pressure model requires. */
+static const struct {
+    mgi_opt_id_t first;
+    int rising;
+} groups[] = {
+    {MGI_OPT_BUDGET_ELEVATED, 1},   {MGI_OPT_HEADROOM_ELEVATED, 0}, {MGI_OPT_PSI_ELEVATED, 1},
+    {MGI_OPT_SWAP_IN_ELEVATED, 1},  {MGI_OPT_MAJFLT_ELEVATED, 1},
+};
+#define N_GROUPS (sizeof(groups) / sizeof(groups[0]))
+
+static int group_ordered(size_t g)
+{
+    double a = opts[groups[g].first].num, b = opts[groups[g].first + 1].num;
+    double c = opts[groups[g].first + 2].num;
+    return groups[g].rising ? (a <= b && b <= c) : (a >= b && b >= c);
+}
+
+/* Describe group g's values and the order they must keep into buf. */
+static void describe_group(size_t g, char *buf, size_t cap)
+{
+    const opt_t *o = &opts[groups[g].first];
+    snprintf(buf, cap, "%s=%g, %s=%g, %s=%g are out of order: they must %s from elevated "
+             "to critical", o[0].name, o[0].num, o[1].name, o[1].num, o[2].name, o[2].num,
+             groups[g].rising ? "rise" : "fall");
+}
+
+/* Reset every out-of-order group from the environment to its defaults. */
+static void load_order(void)
+{
+    char why[192];
+    for (size_t g = 0; g < N_GROUPS; g++) {
+        if (group_ordered(g))
+            continue;
+        describe_group(g, why, sizeof(why));
+        warn("%s (from MEMGUARD_* variables)%s; using the defaults for all three", why, "");
+        for (int k = 0; k < 3; k++)
+            (void)assign(&opts[groups[g].first + k], opts[groups[g].first + k].init);
+    }
+}
+
 static void load(void)
 {
     char env[64];
@@ -104,6 +145,7 @@ static void load(void)
             (void)assign(o, o->init);
         }
     }
+    load_order();
 }
 
 static void lock(void)
@@ -164,6 +206,20 @@ int mg_option_set(const char *name, const char *value)
     int rc = assign(o, value);
     if (rc)
         *o = saved;
+    pthread_mutex_unlock(&opt_lock);
+    return rc;
+}
+
+int mg_option_check(char *why, size_t cap)
+{
+    lock();
+    int rc = 0;
+    for (size_t g = 0; g < N_GROUPS && !rc; g++) {
+        if (!group_ordered(g)) {
+            describe_group(g, why, cap);
+            rc = EINVAL;
+        }
+    }
     pthread_mutex_unlock(&opt_lock);
     return rc;
 }

@@ -35,6 +35,7 @@ PyObject *mgpy_option_get(PyObject *m, PyObject *arg);
 PyObject *mgpy_option_set(PyObject *m, PyObject *args);
 PyObject *mgpy_option_names(PyObject *m, PyObject *unused);
 PyObject *mgpy_option_warnings(PyObject *m, PyObject *unused);
+PyObject *mgpy_option_check(PyObject *m, PyObject *unused);
 
 /* arena.c */
 PyObject *mgpy_install(PyObject *m, PyObject *args);

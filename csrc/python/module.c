@@ -26,6 +26,8 @@ static PyMethodDef methods[] = {
     {"option_get", mgpy_option_get, METH_O, "option_get(name) -> text"},
     {"option_set", mgpy_option_set, METH_VARARGS, "option_set(name, value)"},
     {"option_names", mgpy_option_names, METH_NOARGS, "Names of all options."},
+    {"option_check", mgpy_option_check, METH_NOARGS,
+     "option_check() -> None, or why the thresholds are out of order"},
     {"option_warnings", mgpy_option_warnings, METH_NOARGS,
      "Warnings about bad MEMGUARD_* values, each returned once."},
     {"sample_fields", sample_fields, METH_NOARGS, "Field names of a sample dict."},

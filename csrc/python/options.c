@@ -1,5 +1,6 @@
 /* Python access to the option table. */
 #include <errno.h>
+#include <string.h>
 
 #include "mgpy.h"
 
@@ -14,7 +15,17 @@ PyObject *mgpy_option_get(PyObject *m, PyObject *arg)
         PyErr_Format(PyExc_KeyError, "unknown memguard option %R", arg);
         return NULL;
     }
-    return PyUnicode_FromString(buf);
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "backslashreplace");
+}
+
+PyObject *mgpy_option_check(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    char why[256];
+    if (mg_option_check(why, sizeof(why)) == 0)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(why);
 }
 
 PyObject *mgpy_option_set(PyObject *m, PyObject *args)
@@ -60,7 +71,8 @@ PyObject *mgpy_option_warnings(PyObject *m, PyObject *unused)
     char buf[256];
     PyObject *l = PyList_New(0);
     while (l && mg_option_next_warning(buf, sizeof(buf)) == 0) {
-        PyObject *s = PyUnicode_FromString(buf);
+        /* an environment value is bytes: show what is not UTF-8 as \xNN */
+        PyObject *s = PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "backslashreplace");
         if (!s || PyList_Append(l, s)) {
             Py_XDECREF(s);
             Py_CLEAR(l);

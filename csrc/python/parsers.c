@@ -1,6 +1,7 @@
 /* Python access to the pure parsers, sizes and budgets (tests, fuzzing,
  * budget strings). */
 #include <errno.h>
+#include <string.h>
 
 #include "mgpy.h"
 
@@ -180,9 +181,15 @@ PyObject *mgpy_parse_budget(PyObject *m, PyObject *args, PyObject *kw)
     if (!text)
         return NULL;
     int rc = mg_parse_budget(text, total, available, &v);
-    if (rc == ERANGE) {
-        PyErr_Format(PyExc_ValueError, "budget %R is out of range (percentages lie in (0, 100])",
+    if (rc == ERANGE && strchr(text, '%')) {
+        PyErr_Format(PyExc_ValueError, "budget %R is out of range: percentages lie in (0, 100]",
                      obj);
+        return NULL;
+    }
+    if (rc == ERANGE) {
+        PyErr_Format(PyExc_ValueError,
+                     "budget %R is larger than memguard can hold (at most 4 EiB, 2**62 "
+                     "bytes); pass None for no budget", obj);
         return NULL;
     }
     if (rc) {

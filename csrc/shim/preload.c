@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -144,6 +145,39 @@ static void init(void)
     (void)mg_arena_init();
     apply_budget();
     atomic_store(&state, READY);
+}
+
+/* Bytes as "256.0 MiB" or "1.5 GiB" into buf. */
+static void fmt_size(char *buf, size_t cap, uint64_t n)
+{
+    double v = (double)n / (1 << 20);
+    if (v >= 1024)
+        snprintf(buf, cap, "%.1f GiB", v / 1024);
+    else
+        snprintf(buf, cap, "%.1f MiB", v);
+}
+
+/* At exit: one line when memguard's budget refused allocations in this
+ * process, so that the refusal (torch's "can't allocate memory", a bare
+ * MemoryError) is not taken for the machine running out of memory. */
+__attribute__((destructor)) static void report_refusals(void)
+{
+    mg_arena_stats_t st = {.size = sizeof(st)};
+    if (atomic_load(&state) != READY || mg_arena_stats(&st) != 0 || st.num_ooms == 0 ||
+        st.budget_bytes == 0)
+        return;
+    char budget[32], last[32], held[32], line[400];
+    fmt_size(budget, sizeof(budget), st.budget_bytes);
+    fmt_size(last, sizeof(last), st.last_oom_bytes);
+    fmt_size(held, sizeof(held),
+             st.tree_reserved_bytes ? st.tree_reserved_bytes : st.reserved_current);
+    int n = snprintf(line, sizeof(line),
+                     "memguard: the budget of %s (memguard run --budget, MEMGUARD_BUDGET) "
+                     "refused %llu allocation(s) in process %d, the last of %s while %s "
+                     "was held: raise the budget, or run without one\n",
+                     budget, (unsigned long long)st.num_ooms, (int)getpid(), last, held);
+    if (n > 0)
+        (void)!write(2, line, (size_t)n < sizeof(line) ? (size_t)n : sizeof(line) - 1);
 }
 
 /* 1: serve from the bootstrap buffer (this thread is resolving). */

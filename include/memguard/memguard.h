@@ -58,8 +58,13 @@ MG_API int mg_parse_size(const char *text, uint64_t *out);
  * ("75%") of @p total. "auto" is 90 % of min(@p total, @p available) where
  * @p available is nonzero, else 90 % of @p total.
  * @return 0, EINVAL for a malformed or zero budget, ERANGE for a percentage
- *         outside (0, 100] or an overflowing size.
+ *         outside (0, 100] or a size above MG_BUDGET_MAX.
  */
+/** The largest budget memguard takes as a size: 4 EiB, beyond any machine,
+ * and far enough below 2^64 that sums and margins of budgets cannot wrap.
+ * ("auto" and percentages are shares of the @p total they are given.) */
+#define MG_BUDGET_MAX (UINT64_C(1) << 62)
+
 MG_API int mg_parse_budget(const char *text, uint64_t total, uint64_t available,
                            uint64_t *out);
 
@@ -206,6 +211,10 @@ MG_API int mg_pressure_cuda_level(const mg_pressure_opts_t *o, mg_sample_t *s, u
 MG_API int mg_option_get(const char *name, char *buf, size_t cap);
 /** Set option @p name from text. ENOENT unknown name, EINVAL bad value. */
 MG_API int mg_option_set(const char *name, const char *value);
+/** Whether each signal's thresholds keep their order (ELEVATED <= HIGH <=
+ * CRITICAL; headroom: >=). 0, or EINVAL with the first bad signal described
+ * in @p why. */
+MG_API int mg_option_check(char *why, size_t cap);
 /** Name of option @p i (NULL past the end), for listings. */
 MG_API const char *mg_option_name(size_t i);
 /** Pop the next warning about a bad environment value into @p buf; ENOENT if none. */

@@ -2,6 +2,7 @@
 memguard's own, so importing it never creates a cycle."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 VERSION = "0.1.0"
@@ -22,6 +23,15 @@ def size(n: float | None) -> str:
             break
         v /= 1024
     return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
+
+
+def unwritable(exc: OSError, path: str) -> str:
+    """Why ``path`` could not be opened for writing, in words: a missing
+    directory is named (memguard never creates one unasked)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"the directory {parent!r} does not exist"
+    return exc.strerror or str(exc)
 
 
 def is_auto(value: Any) -> bool:

@@ -27,21 +27,36 @@ def _as_text(value: object) -> str:
 
 
 def configure(**values: object) -> None:
-    """Set options for samplers created afterwards.
+    """Set options for samplers created afterwards, all or none.
 
     Args:
         **values: option names (see :func:`options`) and their values, e.g.
             ``configure(interval_ms=10, psi_high=0.2)``.
 
     Raises:
-        ValueError: an unknown option name or a value out of its range.
+        ValueError: an unknown option name, a value out of its range, or
+            thresholds of one signal out of order (they must rise from
+            elevated to critical; headroom's fall). Nothing is changed then.
     """
-    for name, value in values.items():
-        try:
+    known = _C.option_names()
+    unknown = [name for name in values if name not in known]
+    if unknown:
+        raise ValueError(f"unknown memguard option {unknown[0]!r}; known: {', '.join(known)}")
+    before = {name: _C.option_get(name) for name in values}
+    try:
+        for name, value in values.items():
             _C.option_set(name, _as_text(value))
-        except KeyError:
-            known = ", ".join(_C.option_names())
-            raise ValueError(f"unknown memguard option {name!r}; known: {known}") from None
+        why = _C.option_check()
+        if why is not None:
+            raise ValueError(f"configure({_call(values)}): {why}")
+    except BaseException:
+        for name, text in before.items():
+            _C.option_set(name, text)
+        raise
+
+
+def _call(values: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
 
 
 def option(name: str) -> float | str:
@@ -72,8 +87,9 @@ def warn_about_environment() -> None:
     known = {"MEMGUARD_" + n.upper() for n in _C.option_names()}
     for key in os.environ:
         if key.startswith("MEMGUARD_") and key not in known:
+            shown = key.encode(errors="surrogateescape").decode(errors="backslashreplace")
             warnings.warn(
-                f"{key} is not a memguard option; known: {', '.join(sorted(known))}",
+                f"{shown} is not a memguard option; known: {', '.join(sorted(known))}",
                 MemguardConfigWarning,
                 stacklevel=3,
             )

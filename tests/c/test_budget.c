@@ -115,6 +115,9 @@ static void test_overflow(void)
     CHECK_SIZE_ERR("18446744073709551615K", ERANGE);
     CHECK_SIZE_ERR("18446744073709551615.5B", EINVAL); /* a fraction of a byte */
     CHECK_BUDGET_ERR("99999999999999999999TiB", 1ULL << 40, 0, ERANGE);
+    CHECK_BUDGET("4611686018427387904", 1ULL << 40, 0, MG_BUDGET_MAX); /* 4 EiB: the most */
+    CHECK_BUDGET_ERR("4611686018427387905", 1ULL << 40, 0, ERANGE);
+    CHECK_BUDGET_ERR("16777216TiB", 1ULL << 40, 0, ERANGE);            /* 16 EiB: a size */
 }
 
 static void test_garbage(void)

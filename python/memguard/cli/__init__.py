@@ -3,6 +3,7 @@ module (``doctor``, ``sample``, ``watch``, ``run``, ``demo``, ``report``)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from memguard.cli import demo, doctor, report, run, watch
@@ -15,7 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``memguard`` command."""
     p = argparse.ArgumentParser(
         prog="memguard", description="Keep a PyTorch training run inside the memory it can have.")
-    sub = p.add_subparsers(dest="command", required=True)
+    # no abbreviations: `demo --budget X` must not be read as --budget-only
+    sub = p.add_subparsers(dest="command", required=True,
+                           parser_class=functools.partial(argparse.ArgumentParser,
+                                                          allow_abbrev=False))
     for module in COMMANDS:
         module.register(sub)
     return p

@@ -25,14 +25,15 @@ import argparse
 import base64
 import html
 import io
-import json
 import math
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from memguard._common import size
-from memguard.telemetry import Event, Level, Sample, read_jsonl
+from memguard._common import size, unwritable
+from memguard.telemetry import Event, Level, Sample, SkippedLinesWarning, read_jsonl
 
 #: Output suffixes :func:`report` writes.
 FORMATS = (".png", ".html")
@@ -133,14 +134,6 @@ def load(path: str | os.PathLike) -> tuple[dict[str, Any], list[Sample], list[di
         raise ValueError(f"cannot read telemetry file {p!r}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise ValueError(f"{p!r} is not a text file: {exc.reason}") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{p!r} is not JSON lines: {exc}") from exc
-    except ValueError as exc:
-        if repr(p) in str(exc):
-            raise
-        raise ValueError(f"{p!r} is not memguard telemetry: {exc}") from exc
-    except (AttributeError, KeyError, TypeError) as exc:   # a record that is no JSON object
-        raise ValueError(f"{p!r} is not memguard telemetry: bad record ({exc})") from exc
 
 
 def _num(v: Any) -> float | None:
@@ -448,7 +441,6 @@ def report(path: str | os.PathLike, out: str | os.PathLike) -> RunSummary:
     fig.savefig(buf, format="png")
     png = buf.getvalue()
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(o)), exist_ok=True)
         if ext == ".png":
             with open(o, "wb") as f:
                 f.write(png)
@@ -456,7 +448,7 @@ def report(path: str | os.PathLike, out: str | os.PathLike) -> RunSummary:
             with open(o, "w", encoding="utf-8") as f:
                 f.write(_html(summary, png))
     except OSError as exc:
-        raise ValueError(f"cannot write report {o!r}: {exc.strerror or exc}") from exc
+        raise ValueError(f"cannot write report {o!r}: {unwritable(exc, o)}") from exc
     return summary
 
 
@@ -472,6 +464,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _command(args: argparse.Namespace) -> int:
     """Write the report and say where (0)."""
     out = args.output or os.path.splitext(args.telemetry)[0] + ".png"
-    summary = report(args.telemetry, out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SkippedLinesWarning)
+        summary = report(args.telemetry, out)
+    for w in caught:
+        print(f"memguard report: {w.message}", file=sys.stderr)
     print(f"report of {summary.steps} steps and {summary.samples} samples written to {out}")
     return 0

@@ -6,6 +6,7 @@ import json
 import time
 
 from memguard._common import MiB
+from memguard._options import option
 from memguard.telemetry import Sample, Sampler, open_exporter, sample
 
 
@@ -52,8 +53,21 @@ def _cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_sources(s: Sample) -> None:
+    """Refuse to watch nothing: a sample with neither the process's memory
+    nor the machine's means no source could be read (the roots are wrong).
+
+    Raises:
+        ValueError: naming the roots read.
+    """
+    if s.rss_bytes is None and s.mem_total_bytes is None:
+        raise ValueError(f"no memory figures could be read under proc_root "
+                         f"{option('proc_root')!r} (MEMGUARD_PROC_ROOT): nothing to watch")
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     sampler = Sampler(interval_ms=args.interval, budget=args.budget)
+    check_sources(sampler.sample_now())
     if args.export:
         exporter = open_exporter(args.export)
         sampler.on_sample(exporter)

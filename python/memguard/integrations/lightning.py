@@ -31,7 +31,9 @@ global step, ``16-mixed`` unscaling and ``on_before_optimizer_step`` hooks
 run), learning-rate schedulers step at their configured interval, and values
 logged with ``self.log`` inside ``training_step`` are logged once per batch,
 averaged over the micro-batches with their weights. An out-of-memory error
-inside the step redoes it at a smaller micro-batch; the run goes on.
+inside the step redoes it at a smaller micro-batch; the run goes on. A
+``training_step`` that returns ``None`` skips the batch, as in Lightning:
+the step is rolled back, on every rank alike under DDP.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ except ImportError:  # the standalone package
 from memguard._common import MiB
 from memguard.train.batch import batch_size
 from memguard.train.guard import Guard
-from memguard.train.step import unpack
+from memguard.train.step import SkipStep, unpack
 
 __all__ = ["MemGuardCallback", "MemGuardModule"]
 
@@ -301,6 +303,8 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
         finally:
             del self.log
             logs.call += 1
+        if out is None:                  # Lightning's way to skip a batch
+            raise SkipStep("training_step returned None")
         if isinstance(out, dict) and "loss" not in out:
             raise ValueError("training_step returned a dict without 'loss'")
         # the micro-batch's logs weigh what its loss does: the weight the
@@ -311,8 +315,11 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
         return out
 
     restore = [getattr(self, name) for name in self.memguard_restore]
-    res = guard.step(batch, loss_fn, opt, restore=restore, backward=self.manual_backward,
-                     post_step=self.memguard_post_step)
+    try:
+        res = guard.step(batch, loss_fn, opt, restore=restore, backward=self.manual_backward,
+                         post_step=self.memguard_post_step)
+    except SkipStep:                     # rolled back, on every rank alike
+        return None
     n = batch_size(batch)
     for name, (value, kw) in logs.values(res.n_micro).items():
         real_log(name, value, **{"batch_size": n, **kw})

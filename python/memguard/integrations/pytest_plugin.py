@@ -80,7 +80,7 @@ from typing import Any
 import pytest
 
 import memguard
-from memguard._common import size
+from memguard._common import size, unwritable
 from memguard.memory import arena
 from memguard.memory.gc_hooks import GcHooks
 from memguard.telemetry import parse_budget
@@ -208,6 +208,13 @@ class MemguardPlugin:
         if self.json_path is not None and worker:   # pytest-xdist: one file per worker
             stem, ext = os.path.splitext(self.json_path)
             self.json_path = f"{stem}.{worker}{ext}"
+        if self.json_path is not None:     # its directory is made now, as --junitxml's is
+            try:
+                os.makedirs(os.path.dirname(self.json_path), exist_ok=True)
+            except OSError as exc:
+                raise pytest.UsageError(f"--memguard-json {json_path!r}: cannot create "
+                                        f"{os.path.dirname(self.json_path)!r}: "
+                                        f"{exc.strerror or exc}") from None
         #: figures are recorded for every test
         self.enabled = bool(config.getoption("memguard")) or self.json_path is not None
         self.top = int(config.getoption("memguard_top"))
@@ -219,6 +226,7 @@ class MemguardPlugin:
         self._lock = threading.Lock()          # guards the open window's level
         self._open: _Window | None = None
         self._gc: Any = None                   # the session's GcHooks (with the sampler)
+        self.json_error: str | None = None     # why --memguard-json could not be written
 
     # -- session -------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -525,15 +533,19 @@ class MemguardPlugin:
             "sampler_interval_ms": INTERVAL_MS,
             "tests": self.records,
         }
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+        except OSError as exc:     # the session's results stand: say so, do not crash
+            self.json_error = f"cannot write --memguard-json {path!r}: {unwritable(exc, path)}"
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.enabled:
             return
         tr = terminalreporter
+        if self.json_error is not None:
+            tr.write_line(f"memguard: {self.json_error}", red=True)
         rows = list(self.records)
         if not rows:
             tr.write_sep("=", "memguard: no test measured")
@@ -554,7 +566,7 @@ class MemguardPlugin:
                 f"{_size(r.get('tensor_peak_bytes')):>11} {r.get('page_faults', 0):>8} "
                 f"{gc_ms:>7} {r.get('pressure_level_max') or '-':>8} "
                 f"{r['duration_s']:>7.2f}  {r['outcome']:<8} {r['nodeid']}")
-        if self.json_path is not None:
+        if self.json_path is not None and self.json_error is None:
             tr.write_line(f"memguard: every test's figures written to {self.json_path}")
 
 

@@ -7,7 +7,11 @@ memguard's arena: size classes cached for reuse, one reserved address range,
 and a budget. An allocation that would pass the budget first releases cached
 blocks, then fails the way torch always fails, with
 ``RuntimeError: ... can't allocate memory ...``; the process goes on and the
-next allocation that fits succeeds. :func:`memguard.is_oom` recognises that error.
+next allocation that fits succeeds. :func:`memguard.is_oom` recognises that error,
+and :func:`explain` adds a note to it (PEP 678) naming memguard's budget, the
+request and what was held, so that a refusal by the budget is not taken for
+the machine running out: an uncaught one gets it on its way to the
+traceback, a guard's :class:`~memguard.GuardOOMError` carries it.
 """
 from __future__ import annotations
 
@@ -15,9 +19,12 @@ import sys
 import threading
 
 from memguard import _C
+from memguard._common import size
+from memguard.memory.oom import is_oom
 from memguard.telemetry.budget import parse_budget
 
 _lock = threading.Lock()  # serialises install/uninstall/set_budget from Python
+_explained = 0            # the arena's refusals already named in a note
 
 def install(budget: str | int | None = None, cache_limit: str | int | None = None) -> None:
     """Route CPU tensor memory to memguard's arena. Idempotent. (CUDA:
@@ -44,6 +51,7 @@ def install(budget: str | int | None = None, cache_limit: str | int | None = Non
     import torch
 
     with _lock:
+        _hook_uncaught()
         if budget is not None:
             _C.arena_set_budget(parse_budget(budget))
         if cache_limit is not None:
@@ -116,3 +124,49 @@ def trim(keep: int = 0) -> int:
 def reset_peaks() -> None:
     """Set every ``*.peak`` counter to its current value."""
     _C.arena_reset_peaks()
+
+
+def explain(exc: BaseException) -> bool:
+    """Add a note to an out-of-memory error that memguard's budget caused:
+    the budget, the request refused and what the arena held. Only the first
+    explanation of each refusal is added; an error the budget did not cause
+    (no budget, or no refusal since the last note) is left alone. Needs
+    Python 3.11's ``add_note``; before it, nothing is added.
+
+    Returns:
+        Whether a note was added.
+    """
+    global _explained
+    if not hasattr(exc, "add_note") or not is_oom(exc):
+        return False
+    st = _C.arena_stats()
+    with _lock:
+        if st["num_ooms"] <= _explained or not st["budget_bytes"]:
+            return False
+        _explained = st["num_ooms"]
+    held = st["tree_reserved_bytes"] or st["reserved_bytes.current"]
+    exc.add_note(f"memguard: the allocation of {size(st['last_oom_bytes'])} was refused by "
+                 f"memguard's budget of {size(st['budget_bytes'])} while {size(held)} was held "
+                 f"(not by the machine): raise the budget (memguard.install(budget=...), "
+                 f"Guard(budget=... or tensor_budget=...), MEMGUARD_BUDGET), or give None for none")
+    return True
+
+
+def _hook_uncaught() -> None:
+    """Explain uncaught out-of-memory errors before they are printed, in
+    every thread. Installed once, chaining to the hooks there were."""
+    if getattr(sys.excepthook, "_memguard", False):
+        return
+    previous, previous_thread = sys.excepthook, threading.excepthook
+
+    def hook(kind, exc, tb):
+        explain(exc)
+        previous(kind, exc, tb)
+
+    def thread_hook(args):
+        if args.exc_value is not None:
+            explain(args.exc_value)
+        previous_thread(args)
+
+    hook._memguard = True                 # type: ignore[attr-defined]
+    sys.excepthook, threading.excepthook = hook, thread_hook

@@ -10,7 +10,13 @@ The data path: :mod:`~memguard.telemetry.samples` (one reading),
 """
 from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.events import Event
-from memguard.telemetry.exporters import CsvExporter, JsonlExporter, open_exporter, read_jsonl
+from memguard.telemetry.exporters import (
+    CsvExporter,
+    JsonlExporter,
+    SkippedLinesWarning,
+    open_exporter,
+    read_jsonl,
+)
 from memguard.telemetry.sampler import Sampler
 from memguard.telemetry.samples import (
     FIELD_NAMES,
@@ -33,6 +39,7 @@ __all__ = [
     "PressureEvent",
     "Sample",
     "Sampler",
+    "SkippedLinesWarning",
     "open_exporter",
     "parse_budget",
     "read_jsonl",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from memguard import _C
 from memguard.telemetry.samples import sample
 
+BUDGET_MAX = 1 << 62     # MG_BUDGET_MAX: beyond any machine; sums of budgets cannot wrap
+
 
 def _system_limits() -> tuple:
     """(total, usable) bytes for this process right now."""
@@ -55,6 +57,9 @@ def parse_budget(value: str | int, total: int | None = None) -> int:
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"budget {value!r} is not valid: it must be positive")
+        if value > BUDGET_MAX:
+            raise ValueError(f"budget {value!r} is larger than memguard can hold (at most "
+                             f"4 EiB, 2**62 bytes); pass None for no budget")
         return value
     if not isinstance(value, str):
         raise ValueError(  # noqa: TRY004 - one error type for every bad budget
@@ -70,6 +75,11 @@ def parse_budget(value: str | int, total: int | None = None) -> int:
         relative = value.strip()
         if relative.lower() == "auto" or relative.endswith("%"):
             total, available = _system_limits()
+            if not total:
+                raise ValueError(
+                    f"budget {value!r} is taken of this machine's memory, and memguard could "
+                    f"not read it (MemTotal in {_C.option_get('proc_root')}/meminfo, or a "
+                    f"cgroup limit); give the budget as a size such as \"12GiB\"")
         else:
             total = 0
     return _C.parse_budget(value, total, available)

@@ -10,11 +10,12 @@ import os
 import platform
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from typing import IO, Any
 
-from memguard._common import VERSION
-from memguard.telemetry.samples import FIELD_NAMES, SCHEMA_NAME, SCHEMA_VERSION, Sample
+from memguard._common import VERSION, unwritable
+from memguard.telemetry.samples import FIELD_NAMES, SCHEMA_NAME, SCHEMA_VERSION, Level, Sample
 
 
 class Exporter:
@@ -25,11 +26,13 @@ class Exporter:
             self._f: IO[str] = path
             self._owns = False
         else:
-            os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
-            # kept open for the exporter's life; close() closes it
-            self._f = open(  # noqa: SIM115
-                os.fspath(path), "w", buffering=1, encoding="utf-8", newline=""
-            )
+            where = os.fspath(path)
+            try:
+                # kept open for the exporter's life; close() closes it
+                self._f = open(where, "w", buffering=1, encoding="utf-8", newline="")  # noqa: SIM115
+            except OSError as exc:
+                raise ValueError(f"cannot write telemetry to {where!r}: "
+                                 f"{unwritable(exc, where)}") from exc
             self._owns = True
         self._lock = threading.Lock()
 
@@ -125,46 +128,117 @@ def open_exporter(path: str | os.PathLike) -> Exporter:
     Raises:
         ValueError: the suffix is neither ``.jsonl`` nor ``.csv``.
     """
+    p = check_export_path(path)
+    return JsonlExporter(p) if p.endswith(".jsonl") else CsvExporter(p)
+
+
+def check_export_path(path: str | os.PathLike) -> str:
+    """``path`` as text, if it names a telemetry file this package writes.
+
+    Raises:
+        ValueError: the suffix is neither ``.jsonl`` nor ``.csv``.
+    """
     p = os.fspath(path)
-    if p.endswith(".jsonl"):
-        return JsonlExporter(p)
-    if p.endswith(".csv"):
-        return CsvExporter(p)
-    raise ValueError(f"telemetry export path {p!r} must end in .jsonl or .csv")
+    if not p.endswith((".jsonl", ".csv")):
+        raise ValueError(f"telemetry export path {p!r} must end in .jsonl or .csv")
+    return p
 
 
 def read_jsonl(path: str | os.PathLike) -> tuple[dict[str, Any], list[Sample], list[dict]]:
     """Read a JSONL telemetry file back: (meta, samples, events).
 
+    A line that cannot be read (cut short when a run was killed, not JSON, a
+    sample whose fields are not numbers) is skipped, and one
+    :class:`SkippedLinesWarning` names the skipped lines by number and why;
+    the rest of the run is read.
+
     Raises:
-        ValueError: not a memguard telemetry file, or a newer schema.
+        ValueError: not a memguard telemetry file (no header on its first
+            record), or a newer schema.
     """
+    where = os.fspath(path)
     meta: dict[str, Any] = {}
     samples: list[Sample] = []
     events: list[dict] = []
-    with open(os.fspath(path), encoding="utf-8") as f:
+    skipped: list[tuple[int, str]] = []
+    with open(where, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            rec = json.loads(line)
-            kind = rec.get("type")
-            if kind == "meta":
-                if rec.get("schema") != SCHEMA_NAME:
-                    raise ValueError(f"{os.fspath(path)!r} is not a memguard telemetry file")
-                if rec.get("schema_version", 0) > SCHEMA_VERSION:
-                    raise ValueError(
-                        f"{os.fspath(path)!r} has schema version {rec['schema_version']}, "
-                        f"newer than this memguard's {SCHEMA_VERSION}"
-                    )
+            rec, why = _record(line)
+            if rec is not None and rec.get("type") == "meta":
+                _check_meta(where, rec)
                 meta = rec
-            elif kind == "sample":
+            elif not meta:
+                raise ValueError(f"{where!r} is not memguard telemetry: line {n} comes before "
+                                 f"any memguard header ({why or 'not a header record'})")
+            elif why is not None:
+                skipped.append((n, why))
+            elif rec["type"] == "sample":
                 samples.append(Sample.from_dict(rec))
-            elif kind == "event":
-                events.append(rec)
             else:
-                raise ValueError(f"{os.fspath(path)!r} line {n}: unknown record type {kind!r}")
+                events.append(rec)
     if not meta:
-        raise ValueError(f"{os.fspath(path)!r} has no memguard telemetry header")
+        raise ValueError(f"{where!r} has no memguard telemetry header")
+    if skipped:
+        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:5])
+        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        warnings.warn(f"{where}: skipped {len(skipped)} unreadable line(s) ({shown}{more})",
+                      SkippedLinesWarning, stacklevel=2)
     return meta, samples, events
+
+
+class SkippedLinesWarning(UserWarning):
+    """:func:`read_jsonl` skipped lines of a telemetry file it could not read."""
+
+
+def _check_meta(where: str, rec: dict) -> None:
+    if rec.get("schema") != SCHEMA_NAME:
+        raise ValueError(f"{where!r} is not a memguard telemetry file")
+    version = rec.get("schema_version", 0)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(f"{where!r} has schema version {version!r}, newer than this "
+                         f"memguard's {SCHEMA_VERSION}")
+
+
+def _record(line: str) -> tuple[dict | None, str | None]:
+    """(the record, None), or (what could be parsed, why it is unreadable)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg}{', cut short' if exc.pos >= len(line.rstrip()) else ''})"
+    if not isinstance(rec, dict):
+        return None, f"a JSON {type(rec).__name__}, not a record"
+    kind = rec.get("type")
+    if kind not in ("meta", "sample", "event"):
+        return rec, f"unknown record type {kind!r}"
+    if kind == "meta":
+        return rec, None
+    if not _finite(rec.get("t")):
+        return rec, f"time 't' is {rec.get('t')!r}, not a finite number"
+    if kind == "sample":
+        return rec, _sample_fault(rec)
+    return rec, None if isinstance(rec.get("event"), str) else "an event without a name"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _sample_fault(rec: dict) -> str | None:
+    for name in FIELD_NAMES:
+        v = rec.get(name)
+        if name in ("level", "raw_level"):
+            if v is not None and v not in Level.__members__ and v not in range(len(Level)):
+                return f"{name} is {v!r}, not a pressure level"
+        elif name == "reasons":
+            if v is not None and not (isinstance(v, list) and all(isinstance(r, str) for r in v)):
+                return f"reasons is {v!r}, not a list of names"
+        elif name == "budget_source":
+            if v is not None and not isinstance(v, str):
+                return f"budget_source is {v!r}, not a name"
+        elif v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            return f"{name} is {v!r}, not a number"
+    return None
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from memguard import _C
 from memguard.telemetry.budget import parse_budget
-from memguard.telemetry.exporters import Exporter, open_exporter
+from memguard.telemetry.exporters import Exporter, check_export_path, open_exporter
 from memguard.telemetry.samples import Level, PressureEvent, Sample
 
 
@@ -39,6 +39,9 @@ def _report_callback_error(cb: Callable[..., Any]) -> None:
 
 
 _live: weakref.WeakSet[Sampler] = weakref.WeakSet()
+
+
+RING_MAX = 1 << 20     # the ring_size option's upper bound
 
 
 class Sampler:
@@ -80,8 +83,12 @@ class Sampler:
     ) -> None:
         if interval_ms is not None and not (5 <= interval_ms <= 60000):
             raise ValueError(f"interval_ms {interval_ms!r} is out of range: use 5 to 60000")
-        if ring_size is not None and ring_size < 2:
-            raise ValueError(f"ring_size {ring_size!r} must be at least 2")
+        if ring_size is not None and (isinstance(ring_size, bool) or not isinstance(ring_size, int)
+                                      or not 2 <= ring_size <= RING_MAX):
+            raise ValueError(f"ring_size {ring_size!r} is out of range: use an integer from 2 "
+                             f"to {RING_MAX}")
+        if export is not None:
+            check_export_path(export)
         auto = isinstance(budget, str) and budget.strip().lower() == "auto"
         self._live = auto if live is None else bool(live)
         self._budget = 0 if budget is None or auto else parse_budget(budget)

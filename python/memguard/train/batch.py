@@ -2,10 +2,17 @@
 
 A batch is a tensor or any nesting of tuples (named ones too), lists, dicts
 and dataclasses around tensors. Tensors of one dimension or more split along
-dim 0 (as views, nothing is copied). A list or tuple holding no tensors and
-no containers is a sequence of samples (file names, captions) and is sliced
-the same way. Anything else (a 0-d tensor, an int, a string on its own) is
-the same for every micro-batch.
+dim 0 (as views, nothing is copied). A list holding no tensors and no
+containers is a sequence of samples (file names, captions, as PyTorch's
+default collate makes them) and is sliced the same way. Anything else (a
+tuple of plain values such as an image size, a 0-d tensor, an int, a string
+on its own) is metadata, the same for every micro-batch.
+
+One shape is ambiguous and refused, in the batch a caller gives
+(:func:`checked_size`), with a ``ValueError`` that names where it is: a list
+of tensors as long as each tensor's dim 0 (one tensor per sample, not yet
+stacked, or batched tensors, such as crops, as many as the samples?). A
+tuple of tensors is always batched tensors.
 """
 from __future__ import annotations
 
@@ -22,9 +29,8 @@ def _is_container(x: Any) -> bool:
 
 
 def _is_samples(x: Any) -> bool:
-    """A list or tuple of plain values: one per sample."""
-    return (isinstance(x, (list, tuple)) and not hasattr(x, "_fields")
-            and not any(_is_container(v) for v in x))
+    """A list of plain values: one per sample."""
+    return isinstance(x, list) and not any(_is_container(v) for v in x)
 
 
 def _rebuild(like: Any, values: list) -> Any:
@@ -80,6 +86,39 @@ def batch_size(batch: Any) -> int:
         raise ValueError(f"the batch's tensors and sample lists disagree on the batch size "
                          f"(dim 0): {sorted(sizes)}")
     return sizes.pop()
+
+
+def checked_size(batch: Any) -> int:
+    """:func:`batch_size` of a batch as the caller gave it, refusing first
+    what cannot be split safely (see the module's docs). Micro-batches are
+    not checked again: one of batched crops may be as long as its crops.
+
+    Raises:
+        ValueError: naming where the ambiguous list is, and the two ways out.
+    """
+    _refuse_unstacked(batch, "batch")
+    return batch_size(batch)
+
+
+def _refuse_unstacked(x: Any, where: str) -> None:
+    """Refuse a list of tensors as long as each one's dim 0: one tensor per
+    sample (to stack) cannot be told from batched tensors (to split)."""
+    if isinstance(x, Mapping):
+        for k, v in x.items():
+            _refuse_unstacked(v, f"{where}[{k!r}]")
+    elif isinstance(x, (list, tuple)):
+        if (isinstance(x, list) and len(x) > 1 and all(isinstance(v, torch.Tensor) for v in x)
+                and all(v.dim() > 0 and v.shape[0] == len(x) for v in x)):
+            raise ValueError(
+                f"{where} is a list of {len(x)} tensors of shape {tuple(x[0].shape)}, whose dim 0 "
+                f"is also {len(x)}: memguard cannot tell one tensor per sample from batched "
+                f"tensors. Stack per-sample tensors (torch.stack, as the DataLoader's default "
+                f"collate does), or pass batched tensors as a tuple")
+        for i, v in enumerate(x):
+            _refuse_unstacked(v, f"{where}[{i}]")
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            _refuse_unstacked(getattr(x, f.name), f"{where}.{f.name}")
 
 
 def split(batch: Any, n: int, size: int) -> list:

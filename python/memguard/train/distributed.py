@@ -48,7 +48,9 @@ class Vote:
     Attributes:
         outcome: ``"ok"``; ``"oom"`` (a rank ran out of memory: every rank
             redoes the step); ``"weightless"`` (a rank's micro-batch weights
-            sum to 0: every rank raises). The worst one a rank voted wins.
+            sum to 0: every rank raises); ``"skip"`` (a rank's loss_fn
+            skipped the batch: every rank rolls the step back and skips it).
+            The worst one a rank voted wins.
         next: the smallest size a rank proposed (after an out-of-memory
             error: the size to redo the step at; 0: a rank gives up).
         used_anywhere: for each synchronised parameter, whether any rank
@@ -127,12 +129,12 @@ class Peers:
         return [int(v) for v in t.tolist()]
 
     #: a rank's state in a vote, ordered: the minimum over the ranks wins
-    OK, OOM, WEIGHTLESS = 0, -1, -2
+    OK, OOM, WEIGHTLESS, SKIP = 0, -1, -2, -3
 
     def vote(self, state: int, next_micro: int, used: list[int] | None = None,
              deferred: bool = False) -> Vote:
         """One all-reduce carrying this rank's state (:attr:`OK`,
-        :attr:`OOM` or :attr:`WEIGHTLESS`), the size it proposes, and in the
+        :attr:`OOM`, :attr:`WEIGHTLESS` or :attr:`SKIP`), the size it proposes, and in the
         deferred mode which parameters it has gradients for (``used``, from
         :meth:`prepare`; none: a rank that ran out of memory before it had
         any). Built and read here only, so every rank sends the same
@@ -142,7 +144,8 @@ class Peers:
         if len(used) != width:
             raise ValueError(f"a vote carries {width} parameter flags, not {len(used)}")
         res = self.agree([state, next_micro] + [-u for u in used])
-        outcome = {self.OK: "ok", self.OOM: "oom", self.WEIGHTLESS: "weightless"}[res[0]]
+        outcome = {self.OK: "ok", self.OOM: "oom", self.WEIGHTLESS: "weightless",
+                   self.SKIP: "skip"}[res[0]]
         return Vote(outcome, res[1], [v < 0 for v in res[2:]])
 
     # -- per step ------------------------------------------------------------

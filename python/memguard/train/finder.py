@@ -10,19 +10,33 @@ model, gradients and optimizer state, plus activations per sample), so two
 measured sizes give the line, the line gives the largest size whose peak
 stays under ``budget * (1 - margin)`` (aiming 1 % low), and one more step
 verifies it.
-Four steps at most: a small and a large probe, the verification, and when
-that misses (the small probe may carry a first step's one-off allocations,
-such as optimizer state), a refit through the two warm points and one more. The probes should be in the regime where activations
-dominate the peak: a sample batch of the size you train at is right. Out-of-memory errors during a probe count as "too big".
+Four steps at most when the first probe fits: a small and a large probe,
+the verification, and when that misses (the small probe may carry a first
+step's one-off allocations, such as optimizer state), a refit through the
+two warm points and one more. A first probe that does not fit is shrunk,
+through the origin and then along the line of the failed probes, until one
+fits or the line says nothing can. The probes should be in the regime where
+activations dominate the peak: a sample batch of the size you train at is
+right. Out-of-memory errors during a probe count as "too big".
+
+Bounds: no probe is built larger than half of what the budget and the
+machine's free memory can hold of the batch itself, and a peak that does not
+grow with the batch is reported as such, never extrapolated.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Callable
 
+import torch
+
 from memguard import _C
+from memguard.memory import arena
 from memguard.memory.oom import is_oom
 from memguard.telemetry.budget import parse_budget
+from memguard.telemetry.samples import sample
 from memguard.train import batch as _batch
 from memguard.train.peaks import PeakMeter
 
@@ -39,6 +53,9 @@ class BatchSizeResult:
             (``peak_bytes`` is ``None`` for a probe that ran out of memory).
         budget_bytes: the budget compared against.
         peak_source: where peaks came from ("arena", "cuda" or "rss").
+        note: how the size was found, in words, where it was not a plain fit:
+            the peak does not grow with the batch, the probes were bounded by
+            memory, or nothing fits.
     """
     size: int
     predicted_peak_bytes: int
@@ -46,6 +63,7 @@ class BatchSizeResult:
     probes: list[tuple[int, int | None]]
     budget_bytes: int
     peak_source: str
+    note: str = ""
 
 
 def _take(batch: Any, n: int, size: int) -> Any:
@@ -54,6 +72,106 @@ def _take(batch: Any, n: int, size: int) -> Any:
         return _batch.slice_(batch, 0, size)
     reps = -(-size // n)
     return _batch.slice_(_batch.concat([batch] * reps), 0, size)
+
+
+def _bytes_per_sample(batch: Any, n: int) -> float:
+    """What one sample of ``batch`` takes once a probe batch is built: its
+    tensors' bytes, and a pointer per entry of a list of samples."""
+    total = sum(x.element_size() * x.numel() if isinstance(x, torch.Tensor) else 8 * len(x)
+                for x in _batch.leaves(batch))
+    return max(total / n, 1.0)
+
+
+def _probe_cap(batch: Any, n: int, limit: float) -> int:
+    """The most samples a probe batch may hold: half of what the budget, and
+    for host tensors the machine's free memory, can hold of the batch."""
+    room = limit
+    on_host = all(not isinstance(x, torch.Tensor) or x.device.type == "cpu"
+                  for x in _batch.leaves(batch))
+    free = sample().mem_available_bytes if on_host else None
+    if free:
+        room = min(room, free)
+    return max(1, int(room / 2 / _bytes_per_sample(batch, n)))
+
+
+def _check(step_fn: Any, margin: Any, multiple_of: Any, min_size: Any, max_size: Any,
+           first_probe: Any) -> None:
+    if not callable(step_fn):
+        raise ValueError(f"step_fn must be callable (one training step on a batch), "  # noqa: TRY004 - one error type for every bad argument
+                         f"not {step_fn!r}")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"margin must be in [0, 1), not {margin!r}")
+    for name, v in (("multiple_of", multiple_of), ("min_size", min_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, not {v!r}")
+    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int)
+                                 or max_size < min_size):
+        raise ValueError(f"max_size must be an integer >= min_size, not {max_size!r}")
+    if first_probe is not None and (isinstance(first_probe, bool)
+                                    or not isinstance(first_probe, int) or first_probe < 1):
+        raise ValueError(f"first_probe must be a positive integer, not {first_probe!r}")
+
+
+#: the least the arena's bound during probes leaves above a budget
+SLACK = 64 << 20
+
+#: a peak that grows by less than this share of itself from the small probe
+#: to the large one does not depend on the batch (RSS moves by pages)
+FLAT = 0.01
+
+
+def _line(points: list[tuple[int, int]]) -> tuple[float, float]:
+    """Intercept and slope through the first and last point; through the
+    origin (which overestimates growth) when they do not rise."""
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    if x1 == x0 or y1 <= y0:
+        return 0.0, y1 / x1
+    b = (y1 - y0) / (x1 - x0)
+    return y0 - b * x0, b
+
+
+class _Search:
+    """The probes of one search: sizes kept to the rules and bounds, peaks
+    measured, every step run recorded."""
+
+    def __init__(self, step_fn: Callable[[Any], Any], batch: Any, n: int, rules: Any,
+                 max_size: int | None, cap: int) -> None:
+        self.step_fn, self.batch, self.n, self.rules = step_fn, batch, n, rules
+        self.max_size, self.cap = max_size, cap
+        self.capped = False
+        self.upper: int | None = None    # the smallest size known not to fit
+        # Requested bytes under the arena: what the step asks for is linear in
+        # the batch size, while block rounding (four sizes per doubling) makes
+        # block bytes zigzag around that line by several percent; the margin
+        # is what covers the rounding.
+        self.meter = PeakMeter(arena_key="requested_bytes.peak")
+        self.probes: list[tuple[int, int | None]] = []
+
+    def fit(self, x: float) -> int:
+        """The largest allowed size at most ``x`` (0: none)."""
+        top = min(self.cap, self.upper - 1 if self.upper else self.cap)
+        if self.max_size is not None:
+            top = min(top, self.max_size)
+        if x > top:
+            self.capped = self.capped or top == self.cap
+            x = top
+        s = self.rules.fit(int(max(0, x)))
+        return int(s) if s is not None else 0
+
+    def probe(self, size: int) -> int | None:
+        batch = _take(self.batch, self.n, size)
+        self.meter.start(batch)
+        try:
+            self.step_fn(batch)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            peak = None
+        else:
+            peak = self.meter.stop()
+        del batch
+        self.probes.append((size, peak))
+        return peak
 
 
 def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
@@ -76,98 +194,168 @@ def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
             keeps to (``max_size`` defaults to no limit).
         margin: headroom kept under the budget (=0.1).
         first_probe: the small probe's size (default: a quarter of the
-            sample batch, at least ``min_size``).
+            sample batch, at least ``min_size``); one that does not fit is
+            shrunk until one does.
 
     Returns:
         A :class:`BatchSizeResult` (``size`` 0 when not even ``min_size``
-        fits).
+        fits; ``note`` says why, and when the peak does not grow with the
+        batch or the probes were bounded by memory).
 
     Raises:
-        ValueError: a bad budget, margin or constraint.
+        ValueError: a bad budget, margin, constraint, step function or
+            sample batch (none, or no samples in it).
     """
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin must be in [0, 1), not {margin!r}")
-    for name, v in (("multiple_of", multiple_of), ("min_size", min_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, not {v!r}")
-    if max_size is not None and (not isinstance(max_size, int) or max_size < min_size):
-        raise ValueError(f"max_size must be an integer >= min_size, not {max_size!r}")
+    _check(step_fn, margin, multiple_of, min_size, max_size, first_probe)
     budget_bytes = parse_budget(budget)
     limit = budget_bytes * (1.0 - margin)
     rules = _C.Planner(min_micro=min_size, multiple_of=multiple_of, divisor_of=divisor_of or 0)
-    n = _batch.batch_size(sample_batch)
-    # Requested bytes under the arena: what the step asks for is linear in
-    # the batch size, while block rounding (four sizes per doubling) makes
-    # block bytes zigzag around that line by several percent; the margin
-    # is what covers the rounding.
-    meter = PeakMeter(arena_key="requested_bytes.peak")
-    probes: list[tuple[int, int | None]] = []
+    n = _batch.checked_size(sample_batch)
+    if n == 0:
+        raise ValueError("sample_batch holds no samples (its batch dimension is 0): give a "
+                         "batch of the size you train at")
+    s = _Search(step_fn, sample_batch, n, rules, max_size, _probe_cap(sample_batch, n, limit))
+    small = _first_size(s, first_probe if first_probe is not None else max(min_size, n // 4),
+                        min_size, multiple_of, divisor_of)
+    with _bounded(sample_batch, budget_bytes):
+        small, y_small = _shrink_to_fit(s, small, limit)
+        if y_small is None:
+            return _result(s, 0, 0, 0, budget_bytes, f"not even min_size={min_size} fits "
+                           f"under {limit:.0f} bytes (the budget less the margin)")
+        return _grow(s, small, y_small, limit, budget_bytes)
 
-    def fit(x: float) -> int:
-        x = int(max(0, min(x, max_size if max_size is not None else x)))
-        s = rules.fit(x)
-        return int(s) if s is not None else 0
 
-    def probe(size: int) -> int | None:
-        batch = _take(sample_batch, n, size)
-        meter.start(batch)
-        try:
-            step_fn(batch)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            peak = None
-        else:
-            peak = meter.stop()
-        del batch
-        probes.append((size, peak))
-        return peak
+def _large_probe(s: _Search, small: int) -> tuple[int, int | None]:
+    """The large point of the line: a probe well above ``small``, or the
+    smallest size measured too big on the way down (it need not be run
+    again)."""
+    above = [(x, y) for x, y in s.probes if x > small and y is not None]
+    if above:
+        return min(above)
+    large = s.fit(max(4 * small, s.n))
+    return (large, s.probe(large)) if large > small else (large, None)
 
-    small = fit(first_probe if first_probe is not None else max(min_size, n // 4))
+
+@contextlib.contextmanager
+def _bounded(batch: Any, budget_bytes: int) -> Iterator[None]:
+    """Probes of a host batch run with memguard's arena bounded at what it
+    holds plus 1.5 budgets (at least a budget and :data:`SLACK`; at most 90 %
+    of the free memory) (installed for them where it was not, a
+    lower budget kept): a probe far too big fails as an out-of-memory error,
+    counted as "too big", instead of taking the machine's memory. (The bound
+    is above the budget: the arena's blocks round requests up, and the
+    finder judges the bytes requested.)"""
+    on_host = all(not isinstance(x, torch.Tensor) or x.device.type == "cpu"
+                  for x in _batch.leaves(batch))
+    was_installed = arena.installed()
+    if not on_host:
+        yield
+        return
+    st = arena.stats()
+    extra = budget_bytes + max(budget_bytes // 2, SLACK)
+    free = sample().mem_available_bytes
+    before = st["budget_bytes"]
+    bound = st["allocated_bytes.current"] + (min(extra, int(free * 0.9)) if free else extra)
+    try:
+        arena.install(budget=min(before, bound) if before else bound)
+    except RuntimeError:                 # no arena here: the probe cap alone bounds them
+        yield
+        return
+    try:
+        yield
+    finally:
+        arena.set_budget(before or None)
+        if not was_installed:
+            arena.uninstall()
+
+
+def _first_size(s: _Search, want: int, min_size: int, multiple_of: int,
+                divisor_of: int | None) -> int:
+    small = s.fit(want)
     if small == 0:                    # nothing that small is allowed: the smallest size that is
-        top = max_size if max_size is not None else max(divisor_of or 0, min_size) + multiple_of
-        small = next((x for x in range(min_size, top + 1) if fit(x) == x), 0)
+        top = s.max_size if s.max_size is not None else max(divisor_of or 0, min_size) + multiple_of
+        small = next((x for x in range(min_size, min(top, s.cap) + 1) if s.fit(x) == x), 0)
     if small == 0:
         raise ValueError(f"no batch size satisfies min_size={min_size}, "
                          f"multiple_of={multiple_of}, divisor_of={divisor_of}, "
-                         f"max_size={max_size}")
-    large = fit(max(4 * small, n))
-    y_small = probe(small)            # may carry a first step's one-off allocations
-    if y_small is None or y_small > limit:
-        return BatchSizeResult(0, 0, y_small or 0, probes, budget_bytes, meter.source)
-    y_large = probe(large) if large > small else None
+                         f"max_size={s.max_size}")
+    return small
 
-    def line(points: list[tuple[int, int]]) -> tuple[float, float]:
-        (x0, y0), (x1, y1) = points[0], points[-1]
-        if x1 == x0 or y1 <= y0:
-            return 0.0, y1 / x1          # through the origin: overestimates growth
-        b = (y1 - y0) / (x1 - x0)
-        return y0 - b * x0, b
 
-    if y_large is None:               # the large probe did not fit: bisect towards it
-        a, b = line([(small, y_small), (large, int(budget_bytes))])
+def _shrink_to_fit(s: _Search, small: int, limit: float) -> tuple[int, int | None]:
+    """Probe ``small``; while it does not fit, a smaller size: through the
+    origin from one failed probe, along the line of two, halving after an
+    out-of-memory error. (size, peak), peak None when nothing fits."""
+    failed: list[tuple[int, int]] = []
+    while True:
+        y = s.probe(small)
+        if y is not None and y <= limit:
+            return small, y
+        s.upper = small
+        if y is None:
+            guess = small // 2
+        else:
+            failed.insert(0, (small, y))
+            a, b = _line(failed) if len(failed) > 1 else (0.0, y / small)
+            if a >= limit:                 # what does not depend on the batch is too much
+                return small, None
+            guess = (limit * 0.99 - a) / b
+        nxt = s.fit(min(guess, small - 1))
+        if nxt == 0 or nxt >= small:
+            return small, None
+        small = nxt
+
+
+def _grow(s: _Search, small: int, y_small: int, limit: float,
+          budget_bytes: int) -> BatchSizeResult:
+    """From a size that fits: a large probe, the line through both, the
+    largest size it allows, verified (and refitted once on a miss)."""
+    large, y_large = _large_probe(s, small)
+    if large > small and y_large is not None and y_large - y_small <= FLAT * y_large:
+        ok = y_large <= limit
+        return _result(s, large if ok else small, y_large if ok else y_small,
+                       y_large if ok else y_small, budget_bytes,
+                       f"the step's peak did not grow from {small} to {large} samples: its "
+                       f"memory does not depend on the batch here, so no larger size was "
+                       f"extrapolated (max_size sets one)")
+    if large > small and y_large is None:
+        # the large probe did not fit, and its peak is unknown: the line
+        # through the origin and the small probe rises at least as fast as
+        # the step's (whose fixed part is not negative), so its size fits
+        s.upper = large
+        a, b = 0.0, y_small / small
     else:
-        a, b = line([(small, y_small), (large, y_large)])
+        a, b = _line([(small, y_small), (large, y_large if y_large is not None else y_small)])
     # Aim 1 % low: measured peaks scatter a little around the line, and a
     # miss costs the last probe.
     aim = limit * 0.99
-    guess = max(fit((aim - a) / b) if b > 0 else fit(10**12), small)
+    guess = max(s.fit((aim - a) / b) if b > 0 else small, small)
     predicted = int(a + b * guess)
-    measured = probe(guess) if guess not in (small, large) else (
+    measured = s.probe(guess) if guess not in (small, large) else (
         y_small if guess == small else y_large)
     if measured is not None and measured <= limit:
-        return BatchSizeResult(guess, predicted, measured, probes, budget_bytes, meter.source)
+        return _result(s, guess, predicted, measured, budget_bytes)
     # Missed: refit through the two warm points (the large probe and the
     # miss; the small one may carry one-off allocations) and settle below.
+    s.upper = guess
     pts = [(large, y_large if y_large is not None else int(budget_bytes)),
            (guess, measured if measured is not None else int(budget_bytes))]
-    a, b = line(pts) if guess != large else line([(small, y_small), pts[-1]])
-    retry = fit(min((aim - a) / b, guess - 1)) if b > 0 else small
+    a, b = _line(pts) if guess != large else _line([(small, y_small), pts[-1]])
+    if measured is None:               # its peak is unknown: the origin's line fits
+        a, b = 0.0, y_small / small
+    retry = s.fit(min((aim - a) / b, guess - 1)) if b > 0 else small
     if retry > 0 and retry not in (small, large):
-        y = probe(retry)
+        y = s.probe(retry)
         if y is not None and y <= limit:
-            return BatchSizeResult(retry, int(a + b * retry), y, probes, budget_bytes,
-                                   meter.source)
-    best = max(((x, y) for x, y in probes if y is not None and y <= limit), default=(0, 0))
-    return BatchSizeResult(best[0], int(a + b * best[0]), best[1], probes, budget_bytes,
-                           meter.source)
+            return _result(s, retry, int(a + b * retry), y, budget_bytes)
+    best = max(((x, y) for x, y in s.probes if y is not None and y <= limit), default=(0, 0))
+    return _result(s, best[0], int(a + b * best[0]), best[1], budget_bytes)
+
+
+def _result(s: _Search, size: int, predicted: int, measured: int, budget_bytes: int,
+            note: str = "") -> BatchSizeResult:
+    if s.capped and not note:
+        note = (f"probes were bounded at {s.cap} samples: half of what the budget and the "
+                f"machine's free memory can hold of the batch itself")
+    return BatchSizeResult(size, predicted, measured, list(s.probes), budget_bytes,
+                           s.meter.source, note)

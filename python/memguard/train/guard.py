@@ -58,6 +58,38 @@ _active_lock = threading.Lock()   # guards _active
 _active: Guard | None = None      # the installed guard of this process
 
 
+class _OneLoop:
+    """A guard serves one training loop: a step or an inference from a
+    second thread, while one runs, would interleave two transactions over
+    one planner and one model. Refused, naming the thread that runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: threading.Thread | None = None
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def enter(self, what: str) -> Iterator[None]:
+        me = threading.current_thread()
+        with self._lock:
+            if self._owner is not None and self._owner is not me:
+                raise RuntimeError(
+                    f"Guard.{what}() was called from thread {me.name!r} while thread "
+                    f"{self._owner.name!r} runs a step of the same guard: a guard serves one "
+                    f"training loop; call it from one thread, or give each loop its own process")
+            if what == "step" and self._depth:
+                raise RuntimeError("Guard.step() was called from inside a step of the same "
+                                   "guard (from loss_fn or a hook): steps do not nest")
+            self._owner, self._depth = me, self._depth + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if not self._depth:
+                    self._owner = None
+
+
 class Guard:
     """Keeps training steps inside the memory the process can have by
     splitting batches.
@@ -101,6 +133,7 @@ class Guard:
         self._peers_checked = False
         self._warned: set[str] = set()   # restore buffers warned about
         self._evaluating = 0
+        self._loop = _OneLoop()
         self.installed = False
         self.allocator_error: str | None = None
         #: counters over the run
@@ -261,12 +294,13 @@ class Guard:
                 also after memory was relieved.
             memguard.PostStepError: ``post_step`` failed after the commit.
         """
-        n = _batch.batch_size(batch)
-        args = StepArgs(batch, n, loss_fn, optimizer, scaler, clip_grad_norm, post_step, restore,
-                        embed_fn, backward, pre_step, before_optimizer_step)
-        peers = self._peers_for_step()
-        micro, begun = self.boundary.begin(batch, n, peers, self.steps, self.budget_bytes)
-        return Transaction(self, args, micro, begun, peers, self._warned).run()
+        with self._loop.enter("step"):
+            n = _batch.checked_size(batch)
+            args = StepArgs(batch, n, loss_fn, optimizer, scaler, clip_grad_norm, post_step,
+                            restore, embed_fn, backward, pre_step, before_optimizer_step)
+            peers = self._peers_for_step()
+            micro, begun = self.boundary.begin(batch, n, peers, self.steps, self.budget_bytes)
+            return Transaction(self, args, micro, begun, peers, self._warned).run()
 
     def _peers_for_step(self) -> Peers | None:
         """The ranks to agree with: looked up at the first step, when
@@ -298,7 +332,8 @@ class Guard:
         Raises:
             GuardOOMError: out of memory at the smallest allowed size.
         """
-        return infer(self, batch, fn)
+        with self._loop.enter("infer"):
+            return infer(self, batch, fn)
 
     # -- resuming and reporting ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from memguard.memory import arena
 from memguard.memory.oom import is_oom
 from memguard.telemetry.events import Event
 from memguard.train import batch as _batch
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memguard")
 
+_PEER_SKIPPED = "another rank's loss_fn skipped this batch: every rank skips it"
 _PEER_WEIGHTLESS = ("another rank's micro-batch weights sum to 0: it has no weighted mean "
                     "to average with this one's")
 
@@ -82,6 +84,12 @@ class StepResult:
     tried: list[int] = dataclasses.field(default_factory=list)
 
 
+class SkipStep(Exception):
+    """Raised by a ``loss_fn`` to skip the batch (PyTorch Lightning's
+    ``training_step`` returning ``None``): the step is rolled back whole, on
+    every rank alike under DDP, and the exception goes on to the caller."""
+
+
 class GuardOOMError(RuntimeError):
     """A step ran out of memory at every micro-batch size the guard may use."""
 
@@ -91,6 +99,16 @@ class GuardOOMError(RuntimeError):
             "out of memory at every micro-batch size tried for this step "
             f"({', '.join(map(str, tried))}; min_micro_batch={min_micro_batch}): lower "
             "min_micro_batch, raise the budget, or checkpoint activations")
+
+
+def gave_up(tried: list[int], min_micro_batch: int, cause: BaseException | None) -> GuardOOMError:
+    """The error for a step that ran out of memory at every size; where
+    memguard's budget refused the last allocation, a note (on it and on its
+    cause) says so."""
+    err = GuardOOMError(tried, min_micro_batch)
+    if cause is not None and arena.explain(cause):
+        err.add_note(cause.__notes__[-1])
+    return err
 
 
 def unpack(out: Any) -> tuple[torch.Tensor, Any, Any]:
@@ -334,7 +352,7 @@ class Transaction:
             raise redo.refused
         if not redo.next:
             self.g.signals.event(Event.OOM_GAVE_UP, tried=self.tried, peer=redo.peer)
-            raise GuardOOMError(self.tried, self.g.config.min_micro_batch) from redo.cause
+            raise gave_up(self.tried, self.g.config.min_micro_batch, redo.cause) from redo.cause
         g = self.g
         g.boundary.restart(self.a.batch)
         g.ooms_recovered += 1
@@ -364,6 +382,11 @@ class Transaction:
             if self.deferred:
                 self._agree_done()
             return None
+        except SkipStep:
+            if self.peers is not None and not self._voted:   # the others learn it at their vote
+                self._voted = True
+                self.peers.vote(self.peers.SKIP, 0, deferred=self.deferred)
+            raise
         except PeerOOM as exc:
             self.tried.append(self.micro)
             if exc.next:
@@ -389,6 +412,8 @@ class Transaction:
             refused = ValueError(_PEER_WEIGHTLESS)
             refused.__cause__ = exc
             return _Redo(self.micro, 0, False, refused=refused)
+        if vote.outcome == "skip":
+            return _Redo(self.micro, 0, False, refused=SkipStep(_PEER_SKIPPED))
         if vote.next and vote.next != nxt:
             g.planner.agree(vote.next)
         return _Redo(self.micro, vote.next, False, cause=None if vote.next else exc)
@@ -430,6 +455,9 @@ class Transaction:
         if vote.outcome == "weightless":
             self.peers.reset()
             raise weightless or ValueError(_PEER_WEIGHTLESS)
+        if vote.outcome == "skip":
+            self.peers.reset()
+            raise SkipStep(_PEER_SKIPPED)
         if vote.outcome == "oom":
             raise PeerOOM(vote.next, self.micro)
         self._used_anywhere = vote.used_anywhere
@@ -467,7 +495,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
     """:meth:`memguard.Guard.infer`: ``fn`` over ``batch`` under ``no_grad``
     in micro-batches, going on after an out-of-memory error from the
     micro-batch that failed, at the planner's smaller size."""
-    n = _batch.batch_size(batch)
+    n = _batch.checked_size(batch)
     micro, start, outs, tried = min(guard.micro_batch or n, n), 0, [], []
     with torch.no_grad():
         while start < n:
@@ -483,7 +511,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
                 guard.boundary.follow_now(guard.budget_bytes)
                 micro = guard.planner.oom(micro)
                 if not micro:
-                    raise GuardOOMError(tried, guard.config.min_micro_batch) from exc
+                    raise gave_up(tried, guard.config.min_micro_batch, exc) from exc
             guard.gc.relieve_oom()     # out of the except block: its frames are gone
             guard.ooms_recovered += 1
     return _batch.concat(outs)

@@ -1,0 +1,1 @@
+"""libFuzzer targets over memguard's C parsers; see run.py."""
