@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import memguard
@@ -82,9 +82,17 @@ def test_overflow_is_a_valueerror():
 
 
 @given(n=st.integers(min_value=1, max_value=2**23), unit=st.sampled_from(sorted(UNITS)))
+@example(n=2**22, unit="T")           # 4 EiB: the largest budget
+@example(n=2**22 + 1, unit="T")       # one TiB more: refused
 def test_sizes_roundtrip(n, unit):
+    """A size is its bytes, as a size and as a budget; a budget above 4 EiB
+    (2**62 bytes) is refused, never wrapped."""
     assert _C.parse_size(f"{n}{unit}") == n * UNITS[unit]
-    assert memguard.parse_budget(f"{n} {unit}", total=10) == n * UNITS[unit]
+    if n * UNITS[unit] <= 2**62:
+        assert memguard.parse_budget(f"{n} {unit}", total=10) == n * UNITS[unit]
+    else:
+        with pytest.raises(ValueError, match="larger than memguard can hold"):
+            memguard.parse_budget(f"{n} {unit}", total=10)
 
 
 @given(pct=st.floats(min_value=0.01, max_value=100.0), total=st.integers(10**6, 10**13))

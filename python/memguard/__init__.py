@@ -45,9 +45,14 @@ _LAZY = {
 }
 
 
+#: modules reached as attributes, loaded on first use (they need torch, Lightning)
+_MODULES = {"checkpoint": "memguard.train.checkpoint",
+            "lightning": "memguard.integrations.lightning"}
+
+
 def __getattr__(name: str):
-    if name == "checkpoint":             # the module: memguard.checkpoint.wrap(...)
-        value = importlib.import_module("memguard.train.checkpoint")
+    if name in _MODULES:                 # memguard.checkpoint.wrap(...), memguard.lightning...
+        value = importlib.import_module(_MODULES[name])
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     else:
@@ -66,6 +71,8 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     "Accumulator", "BatchSizeResult", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
     "find_batch_size",
+    # integrations
+    "lightning",
     # options
     "MemguardConfigWarning", "configure", "option", "options",
 ]
