@@ -82,13 +82,16 @@ def _bytes_per_sample(batch: Any, n: int) -> float:
     return max(total / n, 1.0)
 
 
+def _on_host(batch: Any) -> bool:
+    return all(not isinstance(x, torch.Tensor) or x.device.type == "cpu"
+               for x in _batch.leaves(batch))
+
+
 def _probe_cap(batch: Any, n: int, limit: float) -> int:
     """The most samples a probe batch may hold: half of what the budget, and
     for host tensors the machine's free memory, can hold of the batch."""
     room = limit
-    on_host = all(not isinstance(x, torch.Tensor) or x.device.type == "cpu"
-                  for x in _batch.leaves(batch))
-    free = sample().mem_available_bytes if on_host else None
+    free = sample().mem_available_bytes if _on_host(batch) else None
     if free:
         room = min(room, free)
     return max(1, int(room / 2 / _bytes_per_sample(batch, n)))
@@ -238,17 +241,15 @@ def _large_probe(s: _Search, small: int) -> tuple[int, int | None]:
 
 @contextlib.contextmanager
 def _bounded(batch: Any, budget_bytes: int) -> Iterator[None]:
-    """Probes of a host batch run with memguard's arena bounded at what it
-    holds plus 1.5 budgets (at least a budget and :data:`SLACK`; at most 90 %
-    of the free memory) (installed for them where it was not, a
-    lower budget kept): a probe far too big fails as an out-of-memory error,
-    counted as "too big", instead of taking the machine's memory. (The bound
-    is above the budget: the arena's blocks round requests up, and the
-    finder judges the bytes requested.)"""
-    on_host = all(not isinstance(x, torch.Tensor) or x.device.type == "cpu"
-                  for x in _batch.leaves(batch))
+    """Probes of a host batch run under memguard's arena, bounded at what it
+    holds plus 1.5 budgets: at least a budget and :data:`SLACK` more, at most
+    90 % of the free memory. The arena is installed for them where it was
+    not, and a lower budget it had is kept. A probe far too big then fails as
+    an out-of-memory error, counted as "too big", instead of taking the
+    machine's memory. (The bound is above the budget: the arena's blocks
+    round requests up, and the finder judges the bytes requested.)"""
     was_installed = arena.installed()
-    if not on_host:
+    if not _on_host(batch):
         yield
         return
     st = arena.stats()
