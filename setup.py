@@ -1,10 +1,38 @@
 """Build memguard._C and libmemguard_preload.so from csrc/: C11, warnings as
 errors, no torch headers."""
+from __future__ import annotations
+
 import os
+import sys
 from glob import glob
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+#: the platform layers the C core is built for, by sys.platform
+LAYERS = {"linux": "linux"}
+
+
+def platform_layer(system: str, forced: str | None) -> str:
+    """The layer to build for ``system`` (``sys.platform``), or
+    ``MEMGUARD_PLATFORM`` when set.
+
+    Raises:
+        SystemExit: no layer for this platform, with what would be needed,
+            before any compiler runs.
+    """
+    layer = forced or LAYERS.get(system)
+    if layer in LAYERS.values():
+        return layer
+    asked = f"MEMGUARD_PLATFORM={forced!r}" if forced else f"this platform ({system!r})"
+    raise SystemExit(
+        f"memguard: cannot build for {asked}: the C core has a platform layer for Linux "
+        f"only ({', '.join(sorted(set(LAYERS.values())))}). It reads /proc and cgroups, wakes "
+        f"its sampler with eventfd and rebinds ELF import slots; the portable POSIX and macOS "
+        f"layers are not written yet. On Linux, unset MEMGUARD_PLATFORM.")
+
+
+LAYER = platform_layer(sys.platform, os.environ.get("MEMGUARD_PLATFORM") or None)
 
 CFLAGS = [
     "-std=c11",
@@ -19,6 +47,7 @@ CFLAGS = [
     # mg_cuda_alloc throws C++ exceptions through PyTorch: keep every
     # frame unwindable
     "-fexceptions",
+    f'-DMG_PLATFORM="{LAYER}"',
 ]
 
 core = sorted(glob("csrc/core/*.c"))
@@ -52,15 +81,16 @@ class build_ext_with_preload(build_ext):
         self.compiler.link_shared_object(objects, target, libraries=["dl", "pthread", "m"])
 
 
-setup(
-    cmdclass={"build_ext": build_ext_with_preload},
-    ext_modules=[
-        Extension(
-            "memguard._C",
-            sources=core + shim + binding,
-            include_dirs=["include", "csrc/core", "csrc/shim", "csrc/python"],
-            extra_compile_args=CFLAGS,
-            libraries=["pthread", "m", "dl"],
-        )
-    ],
-)
+if __name__ == "__main__":       # pip and setuptools run this file as __main__
+    setup(
+        cmdclass={"build_ext": build_ext_with_preload},
+        ext_modules=[
+            Extension(
+                "memguard._C",
+                sources=core + shim + binding,
+                include_dirs=["include", "csrc/core", "csrc/shim", "csrc/python"],
+                extra_compile_args=CFLAGS,
+                libraries=["pthread", "m", "dl"],
+            )
+        ],
+    )

@@ -654,8 +654,9 @@ def platform_row() -> Row:
         mg_version = "(not installed as a package)"
     found = (f"{platform.system()} {platform.release()} {platform.machine()}, "
              f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
-    return ("platform", found,
-            f"memguard {mg_version}, C core loaded (sample format v{_C.SAMPLE_VERSION})")
+    loaded = (f"memguard {mg_version}, C core loaded (platform layer {_C.PLATFORM}, "
+              f"sample format v{_C.SAMPLE_VERSION})")
+    return ("platform", found, loaded)
 
 
 def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S,
