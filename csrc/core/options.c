@@ -124,7 +124,7 @@ static void load_order(void)
         if (group_ordered(g))
             continue;
         describe_group(g, why, sizeof(why));
-        warn("%s (from MEMGUARD_* variables)%s; using the defaults for all three", why, "");
+        warn("%s (from %s variables); using the defaults for all three", why, "MEMGUARD_*");
         for (int k = 0; k < 3; k++)
             (void)assign(&opts[groups[g].first + k], opts[groups[g].first + k].init);
     }

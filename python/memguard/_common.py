@@ -2,6 +2,7 @@
 memguard's own, so importing it never creates a cycle."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -32,6 +33,15 @@ def unwritable(exc: OSError, path: str) -> str:
     if not os.path.isdir(parent):
         return f"the directory {parent!r} does not exist"
     return exc.strerror or str(exc)
+
+
+def finite(v: Any) -> float | None:
+    """``v`` as a float if it is a finite real number (not a bool), else
+    None: missing fields, JSON nulls, strings, NaN and infinities."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
 
 
 def is_auto(value: Any) -> bool:

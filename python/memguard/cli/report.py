@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from memguard._common import size, unwritable
+from memguard._common import finite, size, unwritable
 from memguard.telemetry import Event, Level, Sample, SkippedLinesWarning, read_jsonl
 
 #: Output suffixes :func:`report` writes.
@@ -136,16 +136,9 @@ def load(path: str | os.PathLike) -> tuple[dict[str, Any], list[Sample], list[di
         raise ValueError(f"{p!r} is not a text file: {exc.reason}") from exc
 
 
-def _num(v: Any) -> float | None:
-    """A finite number, or None (missing fields, JSON nulls, strings)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
 def _timed(events: list[dict]) -> list[dict]:
     """Events with a time, in time order."""
-    return sorted((e for e in events if _num(e.get("t")) is not None), key=lambda e: e["t"])
+    return sorted((e for e in events if finite(e.get("t")) is not None), key=lambda e: e["t"])
 
 
 def _budget(meta: dict[str, Any], samples: list[Sample], events: list[dict]) -> int | None:
@@ -153,9 +146,9 @@ def _budget(meta: dict[str, Any], samples: list[Sample], events: list[dict]) -> 
         if s.budget_bytes:
             return s.budget_bytes
     for e in events:
-        if e.get("event") == Event.INSTALL and _num(e.get("budget_bytes")):
+        if e.get("event") == Event.INSTALL and finite(e.get("budget_bytes")):
             return int(e["budget_bytes"])
-    b = _num(meta.get("budget_bytes"))
+    b = finite(meta.get("budget_bytes"))
     return int(b) if b else None
 
 
@@ -169,14 +162,14 @@ def summarize(meta: dict[str, Any], samples: list[Sample], events: list[dict],
     """The run's counters, from what :func:`load` returned."""
     timed = _timed(events)
     steps = [e for e in timed if e.get("event") == Event.STEP]
-    micro = [_num(e.get("micro_batch")) for e in steps]
+    micro = [finite(e.get("micro_batch")) for e in steps]
     micro = [m for m in micro if m is not None]
     times = [s.t for s in samples] + [e["t"] for e in timed]
     high_s = 0.0
     for a, b in zip(samples, samples[1:]):
         if a.level >= Level.HIGH:
             high_s += max(b.t - a.t, 0.0)
-    blocks = [_num(e.get("blocks")) for e in timed if e.get("event") == Event.CHECKPOINT]
+    blocks = [finite(e.get("blocks")) for e in timed if e.get("event") == Event.CHECKPOINT]
 
     def count(name: str) -> int:
         return sum(1 for e in events if e.get("event") == name)
@@ -197,7 +190,7 @@ def summarize(meta: dict[str, Any], samples: list[Sample], events: list[dict],
         peak_rss_bytes=_max(s.rss_bytes for s in samples),
         peak_arena_allocated_bytes=_max(s.arena_allocated_bytes for s in samples),
         peak_step_bytes=_max(int(e["peak_bytes"]) for e in steps
-                             if _num(e.get("peak_bytes")) is not None),
+                             if finite(e.get("peak_bytes")) is not None),
         budget_bytes=_budget(meta, samples, events),
         arena_budget_bytes=next((s.arena_budget_bytes for s in reversed(samples)
                                  if s.arena_budget_bytes), None),
@@ -238,12 +231,12 @@ def _figure(title: str, meta: dict[str, Any], samples: list[Sample], events: lis
 
     timed = _timed(events)
     starts = [s.t for s in samples[:1]] + [e["t"] for e in timed[:1]]
-    t0 = min(starts) if starts else (_num(meta.get("t")) or 0.0)
+    t0 = min(starts) if starts else (finite(meta.get("t")) or 0.0)
     ts = [s.t - t0 for s in samples]
 
     fig = Figure(figsize=(12, 9), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    steps = [e for e in timed if e.get("event") == Event.STEP and _num(e.get("micro_batch"))]
+    steps = [e for e in timed if e.get("event") == Event.STEP and finite(e.get("micro_batch"))]
     # the micro-batch panel only for a run with a guard
     ratios = [3, 1.3, 1.7] if steps else [3, 1.3]
     axes = list(fig.subplots(len(ratios), 1, sharex=True,
@@ -256,7 +249,7 @@ def _figure(title: str, meta: dict[str, Any], samples: list[Sample], events: lis
     # memory against the budget
     budget = summary.budget_bytes
     arena_budget = _max(s.arena_budget_bytes for s in samples)
-    peaks = [(e["t"] - t0, _num(e.get("peak_bytes"))) for e in steps]
+    peaks = [(e["t"] - t0, finite(e.get("peak_bytes"))) for e in steps]
     peaks = [(t, p) for t, p in peaks if p]
     top = max([v or 0 for s in samples for v in (s.rss_bytes, s.arena_reserved_bytes)]
               + [budget or 0, arena_budget or 0] + [p for _, p in peaks] + [0])

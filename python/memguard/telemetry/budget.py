@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memguard import _C
+from memguard._common import is_auto
 from memguard.telemetry.samples import sample
 
 BUDGET_MAX = 1 << 62     # MG_BUDGET_MAX: beyond any machine; sums of budgets cannot wrap
@@ -72,8 +73,7 @@ def parse_budget(value: str | int, total: int | None = None) -> int:
     if total is None:
         # only "auto" and percentages depend on the machine: a size does not
         # need a system sample
-        relative = value.strip()
-        if relative.lower() == "auto" or relative.endswith("%"):
+        if is_auto(value) or value.strip().endswith("%"):
             total, available = _system_limits()
             if not total:
                 raise ValueError(

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import IO, Any
 
-from memguard._common import VERSION, unwritable
+from memguard._common import VERSION, finite, unwritable
 from memguard.telemetry.samples import FIELD_NAMES, SCHEMA_NAME, SCHEMA_VERSION, Level, Sample
 
 
@@ -214,15 +214,11 @@ def _record(line: str) -> tuple[dict | None, str | None]:
         return rec, f"unknown record type {kind!r}"
     if kind == "meta":
         return rec, None
-    if not _finite(rec.get("t")):
+    if finite(rec.get("t")) is None:
         return rec, f"time 't' is {rec.get('t')!r}, not a finite number"
     if kind == "sample":
         return rec, _sample_fault(rec)
     return rec, None if isinstance(rec.get("event"), str) else "an event without a name"
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _sample_fault(rec: dict) -> str | None:

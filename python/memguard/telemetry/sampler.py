@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from memguard import _C
+from memguard._common import is_auto
 from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.exporters import Exporter, check_export_path, open_exporter
 from memguard.telemetry.samples import Level, PressureEvent, Sample
@@ -89,7 +90,7 @@ class Sampler:
                              f"to {RING_MAX}")
         if export is not None:
             check_export_path(export)
-        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+        auto = is_auto(budget)
         self._live = auto if live is None else bool(live)
         self._budget = 0 if budget is None or auto else parse_budget(budget)
         self._c = _C.Sampler(
@@ -212,7 +213,7 @@ class Sampler:
         """Change the budget from the next sample on (``"auto"``: the live
         budget alone); ``live`` as in the constructor (``None``: keep it,
         unless ``budget`` is ``"auto"``)."""
-        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+        auto = is_auto(budget)
         new = 0 if budget is None or auto else parse_budget(budget)
         self._budget = new
         if auto or live is not None:

@@ -27,13 +27,13 @@ when an exporter is made, never by ``import memguard``.
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
 from collections import Counter
 from typing import Any
 
+from memguard._common import finite
 from memguard.telemetry.events import Event
 from memguard.telemetry.samples import Sample
 
@@ -72,14 +72,6 @@ COUNTED_TAGS: dict[str, str] = {
 }
 
 
-def _scalar(v: Any) -> float | None:
-    """A finite number (an IntEnum level included), or None."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    v = float(v)
-    return v if math.isfinite(v) else None
-
-
 class TensorBoardExporter:
     """Write telemetry samples and guard events as TensorBoard scalars.
 
@@ -107,7 +99,7 @@ class TensorBoardExporter:
         self._counts: Counter[str] = Counter()
 
     def _add(self, tag: str, value: Any, step: int, walltime: float | None) -> None:
-        v = _scalar(value)
+        v = finite(value)
         if v is not None:
             self._w.add_scalar(tag, v, global_step=step, walltime=walltime)
 
@@ -125,12 +117,12 @@ class TensorBoardExporter:
         running count of its kind (``throttle/ooms_recovered``,
         ``gc/reliefs``, ``events/<name>`` for others). Fields that are not
         numbers are left out."""
-        t = _scalar(data.get("t")) or time.time()
+        t = finite(data.get("t")) or time.time()
         name = str(name)
         with self._lock:
             if self._closed:
                 return
-            step = _scalar(data.get("step"))
+            step = finite(data.get("step"))
             if step is not None:
                 self._step = int(step)
             if name == Event.STEP:

@@ -87,13 +87,11 @@ def _on_host(batch: Any) -> bool:
                for x in _batch.leaves(batch))
 
 
-def _probe_cap(batch: Any, n: int, limit: float) -> int:
+def _probe_cap(batch: Any, n: int, limit: float, free: int | None) -> int:
     """The most samples a probe batch may hold: half of what the budget, and
-    for host tensors the machine's free memory, can hold of the batch."""
-    room = limit
-    free = sample().mem_available_bytes if _on_host(batch) else None
-    if free:
-        room = min(room, free)
+    for host tensors the machine's free memory (``free``), can hold of the
+    batch."""
+    room = min(limit, free) if free else limit
     return max(1, int(room / 2 / _bytes_per_sample(batch, n)))
 
 
@@ -217,10 +215,13 @@ def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
     if n == 0:
         raise ValueError("sample_batch holds no samples (its batch dimension is 0): give a "
                          "batch of the size you train at")
-    s = _Search(step_fn, sample_batch, n, rules, max_size, _probe_cap(sample_batch, n, limit))
+    on_host = _on_host(sample_batch)
+    free = sample().mem_available_bytes if on_host else None     # read once, for both bounds
+    s = _Search(step_fn, sample_batch, n, rules, max_size,
+                _probe_cap(sample_batch, n, limit, free))
     small = _first_size(s, first_probe if first_probe is not None else max(min_size, n // 4),
                         min_size, multiple_of, divisor_of)
-    with _bounded(sample_batch, budget_bytes):
+    with _bounded(on_host, budget_bytes, free):
         small, y_small = _shrink_to_fit(s, small, limit)
         if y_small is None:
             return _result(s, 0, 0, 0, budget_bytes, f"not even min_size={min_size} fits "
@@ -240,7 +241,7 @@ def _large_probe(s: _Search, small: int) -> tuple[int, int | None]:
 
 
 @contextlib.contextmanager
-def _bounded(batch: Any, budget_bytes: int) -> Iterator[None]:
+def _bounded(on_host: bool, budget_bytes: int, free: int | None) -> Iterator[None]:
     """Probes of a host batch run under memguard's arena, bounded at what it
     holds plus 1.5 budgets: at least a budget and :data:`SLACK` more, at most
     90 % of the free memory. The arena is installed for them where it was
@@ -249,12 +250,11 @@ def _bounded(batch: Any, budget_bytes: int) -> Iterator[None]:
     machine's memory. (The bound is above the budget: the arena's blocks
     round requests up, and the finder judges the bytes requested.)"""
     was_installed = arena.installed()
-    if not _on_host(batch):
+    if not on_host:
         yield
         return
     st = arena.stats()
     extra = budget_bytes + max(budget_bytes // 2, SLACK)
-    free = sample().mem_available_bytes
     before = st["budget_bytes"]
     bound = st["allocated_bytes.current"] + (min(extra, int(free * 0.9)) if free else extra)
     try:
