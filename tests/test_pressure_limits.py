@@ -111,3 +111,37 @@ def test_a_run_follows_its_limit_down_and_back_up(swap) -> None:
         [s["micro"] for s in rise]
     worst, over = workload.boundary_bound(steps)
     assert over == 0, worst
+
+
+_FINDER = """
+import json, sys, torch, memguard
+sys.stdin.readline()                          # moved into the cgroup by now
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 8))
+def step(b):
+    model.zero_grad(set_to_none=True)
+    model(b).pow(2).mean().backward()
+r = memguard.find_batch_size(step, torch.randn(64, 256), budget="4GiB", first_probe=10**6)
+print(json.dumps({"size": r.size, "measured": r.measured_peak_bytes, "note": r.note}))
+"""
+
+
+@pytest.mark.parametrize("swap_on", [False, True], ids=["no-swap", "swap"])
+def test_find_batch_size_in_a_cgroup_smaller_than_its_budget_is_not_killed(swap_on, request):
+    """A budget of 4 GiB and a first probe of a million samples, inside a
+    768 MiB cgroup: the probes are bounded by what the cgroup leaves, not
+    by the host's free memory, so the process is never killed by the kernel
+    (without swap) nor driven into swap; the size found fits that room."""
+    if swap_on:
+        request.getfixturevalue("swap")
+    with limits.MemoryLimit(768 * MiB, swap=swap_on) as cg:
+        proc = subprocess.Popen([sys.executable, "-c", _FINDER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cg.add(proc.pid)
+        out, err = proc.communicate("go\n", timeout=600)
+    assert proc.returncode == 0, f"returncode {proc.returncode}: {err[-2000:]}"
+    import json
+    res = json.loads(out)
+    assert res["size"] > 0 and res["measured"] < 768 * MiB
+    assert "has room for less than the budget" in res["note"]

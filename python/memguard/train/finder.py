@@ -33,8 +33,10 @@ from typing import Any, Callable
 import torch
 
 from memguard import _C
+from memguard._common import size
 from memguard.memory import arena
 from memguard.memory.oom import is_oom
+from memguard.memory.room import live_budget
 from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.samples import sample
 from memguard.train import batch as _batch
@@ -85,6 +87,19 @@ def _bytes_per_sample(batch: Any, n: int) -> float:
 def _on_host(batch: Any) -> bool:
     return all(not isinstance(x, torch.Tensor) or x.device.type == "cpu"
                for x in _batch.leaves(batch))
+
+
+def _room_left() -> int | None:
+    """What the process can still take now: the live budget (a cgroup's
+    limit less what others use, or the host's free memory, less a reserve)
+    less its footprint. Under a cgroup the host's MemAvailable would be far
+    too much: the kernel kills the process at the cgroup's limit."""
+    s = sample()
+    live = live_budget(s)
+    held = s.footprint_bytes or s.rss_bytes
+    if live is None or held is None:
+        return s.mem_available_bytes
+    return max(live[0] - held, 0)
 
 
 def _probe_cap(batch: Any, n: int, limit: float, free: int | None) -> int:
@@ -140,6 +155,7 @@ class _Search:
         self.step_fn, self.batch, self.n, self.rules = step_fn, batch, n, rules
         self.max_size, self.cap = max_size, cap
         self.capped = False
+        self.note = ""                   # why the limit is below the budget, if it is
         self.upper: int | None = None    # the smallest size known not to fit
         # Requested bytes under the arena: what the step asks for is linear in
         # the batch size, while block rounding (four sizes per doubling) makes
@@ -216,12 +232,19 @@ def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
         raise ValueError("sample_batch holds no samples (its batch dimension is 0): give a "
                          "batch of the size you train at")
     on_host = _on_host(sample_batch)
-    free = sample().mem_available_bytes if on_host else None     # read once, for both bounds
+    free = _room_left() if on_host else None      # read once, for both bounds
     s = _Search(step_fn, sample_batch, n, rules, max_size,
                 _probe_cap(sample_batch, n, limit, free))
     small = _first_size(s, first_probe if first_probe is not None else max(min_size, n // 4),
                         min_size, multiple_of, divisor_of)
     with _bounded(on_host, budget_bytes, free):
+        if free is not None and arena.installed():
+            # the machine (its cgroup) may hold less than the budget: the
+            # arena's peaks, what it holds included, must fit what it can take
+            room = (arena.stats()["allocated_bytes.current"] + free) * (1.0 - margin)
+            if room < limit:
+                limit, s.note = room, (f"the machine (or its cgroup) has room for less than "
+                                       f"the budget now: sizes fit {size(int(room))}")
         small, y_small = _shrink_to_fit(s, small, limit)
         if y_small is None:
             return _result(s, 0, 0, 0, budget_bytes, f"not even min_size={min_size} fits "
@@ -244,7 +267,8 @@ def _large_probe(s: _Search, small: int) -> tuple[int, int | None]:
 def _bounded(on_host: bool, budget_bytes: int, free: int | None) -> Iterator[None]:
     """Probes of a host batch run under memguard's arena, bounded at what it
     holds plus 1.5 budgets: at least a budget and :data:`SLACK` more, at most
-    90 % of the free memory. The arena is installed for them where it was
+    what the process can still take (the live budget's room, its reserve
+    kept). The arena is installed for them where it was
     not, and a lower budget it had is kept. A probe far too big then fails as
     an out-of-memory error, counted as "too big", instead of taking the
     machine's memory. (The bound is above the budget: the arena's blocks
@@ -256,7 +280,7 @@ def _bounded(on_host: bool, budget_bytes: int, free: int | None) -> Iterator[Non
     st = arena.stats()
     extra = budget_bytes + max(budget_bytes // 2, SLACK)
     before = st["budget_bytes"]
-    bound = st["allocated_bytes.current"] + (min(extra, int(free * 0.9)) if free else extra)
+    bound = st["allocated_bytes.current"] + (min(extra, free) if free else extra)
     try:
         arena.install(budget=min(before, bound) if before else bound)
     except RuntimeError:                 # no arena here: the probe cap alone bounds them
@@ -355,6 +379,7 @@ def _grow(s: _Search, small: int, y_small: int, limit: float,
 
 def _result(s: _Search, size: int, predicted: int, measured: int, budget_bytes: int,
             note: str = "") -> BatchSizeResult:
+    note = note or s.note
     if s.capped and not note:
         note = (f"probes were bounded at {s.cap} samples: half of what the budget and the "
                 f"machine's free memory can hold of the batch itself")
