@@ -27,7 +27,9 @@ MIB = 1 << 20
 @pytest.fixture
 def lib():
     """The allocator over host memory with a 1 GiB "device"; afterwards
-    every block must have been freed, and the cache goes back."""
+    every block must have been freed, the cache goes back, and the
+    allocator has no backend again (so CUDA code later in this process
+    reads PyTorch's own counters)."""
     _C.cuda_init("host", capacity=1 << 30)
     so = ctypes.CDLL(_C.__file__)
     # the ABI: void *alloc(size_t, int, cudaStream_t); void free(void *, size_t, int, cudaStream_t)
@@ -41,6 +43,8 @@ def lib():
         _C.cuda_set_budget(d, 0)
     _C.cuda_trim(-1)
     assert _C.cuda_host_used() == 0
+    _C.cuda_detach()
+    assert _C.cuda_backend() is None and memguard.cuda.allocator_name() == "native"
 
 
 def test_native_stats_speak_the_allocators_names(lib):
@@ -119,6 +123,28 @@ def test_budget_releases_cache_then_fails_cleanly(lib):
     assert c
     lib.mg_cuda_free(c, 1 * MIB, 2, None)
     lib.mg_cuda_free(b, 48 * MIB, 2, None)
+
+
+def test_optimizer_room_is_read_from_memguards_counters(lib):
+    """The room an optimizer step is judged against comes from
+    memguard.cuda.stats() (torch's own counters raise under memguard's
+    allocator): the driver's free memory plus the cache, within the budget."""
+    from memguard.train.transaction import device_room
+
+    _C.cuda_set_budget(3, 64 * MIB)
+    a = lib.mg_cuda_alloc(8 * MIB, 3, None)
+    b = lib.mg_cuda_alloc(16 * MIB, 3, None)
+    lib.mg_cuda_free(a, 8 * MIB, 3, None)           # cached
+    st = memguard.cuda.stats(3)
+    assert st["cached_bytes"] > 0
+    in_budget = 64 * MIB - st["reserved_bytes.current"] + st["cached_bytes"]
+    assert device_room(1 << 40, st) == in_budget    # the budget binds
+    assert device_room(MIB, st) == MIB + st["cached_bytes"]   # the device binds
+    _C.cuda_set_budget(3, 0)
+    assert device_room(1 << 40, memguard.cuda.stats(3)) == (1 << 40) + st["cached_bytes"]
+    _C.cuda_set_budget(3, MIB)                      # lowered below what is held
+    assert device_room(1 << 40, memguard.cuda.stats(3)) == 0
+    lib.mg_cuda_free(b, 16 * MIB, 3, None)
 
 
 def test_stats_validate_the_device(lib):

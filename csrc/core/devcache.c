@@ -478,11 +478,10 @@ static int alloc_locked(mgdev_t *d, int device, void *stream, size_t size, void 
 
 /* ---- the API ------------------------------------------------------------ */
 
-int mg_dev_init(const mg_dev_backend_t *backend)
+/* Release every device's cache under the backend in use; EBUSY (and
+ * nothing released past that device) while a block is alive. G.lock held. */
+static int release_all_locked(void)
 {
-    if (!backend || !backend->alloc || !backend->free)
-        return EINVAL;
-    pthread_mutex_lock(&G.lock);
     int rc = 0;
     for (int i = 0; i < MG_DEV_MAX_DEVICES && !rc; i++) {
         mgdev_t *d = G.dev[i];
@@ -495,10 +494,29 @@ int mg_dev_init(const mg_dev_backend_t *backend)
             release(d, i, UINT64_MAX);
         pthread_mutex_unlock(&d->lock);
     }
+    return rc;
+}
+
+int mg_dev_init(const mg_dev_backend_t *backend)
+{
+    if (!backend || !backend->alloc || !backend->free)
+        return EINVAL;
+    pthread_mutex_lock(&G.lock);
+    int rc = release_all_locked();
     if (!rc) {
         G.backend = *backend;
         G.have_backend = 1;
     }
+    pthread_mutex_unlock(&G.lock);
+    return rc;
+}
+
+int mg_dev_detach(void)
+{
+    pthread_mutex_lock(&G.lock);
+    int rc = release_all_locked();
+    if (!rc)
+        G.have_backend = 0;
     pthread_mutex_unlock(&G.lock);
     return rc;
 }

@@ -52,6 +52,21 @@ PyObject *mgpy_cuda_init(PyObject *m, PyObject *args, PyObject *kw)
     return PyUnicode_FromString(where ? where : "");
 }
 
+PyObject *mgpy_cuda_detach(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    int rc = mg_dev_detach();
+    if (rc == EBUSY) {
+        PyErr_SetString(PyExc_RuntimeError, "memguard's CUDA allocator still holds blocks in "
+                                            "use: its backend cannot be detached now");
+        return NULL;
+    }
+    if (rc)
+        return mgpy_raise(rc, "mg_dev_detach");
+    Py_RETURN_NONE;
+}
+
 PyObject *mgpy_cuda_backend(PyObject *m, PyObject *unused)
 {
     (void)m;

@@ -55,6 +55,7 @@ PyObject *mgpy_system_trim(PyObject *m, PyObject *unused);
 /* cuda.c */
 PyObject *mgpy_cuda_init(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mgpy_cuda_backend(PyObject *m, PyObject *unused);
+PyObject *mgpy_cuda_detach(PyObject *m, PyObject *unused);
 PyObject *mgpy_cuda_stats(PyObject *m, PyObject *arg);
 PyObject *mgpy_cuda_set_budget(PyObject *m, PyObject *args);
 PyObject *mgpy_cuda_trim(PyObject *m, PyObject *args);

@@ -53,6 +53,9 @@ static PyMethodDef methods[] = {
      "cuda_init(backend, path=None, capacity=0) -> where: back the CUDA allocator with the "
      "CUDA runtime ('cuda') or host memory ('host', tests)."},
     {"cuda_backend", mgpy_cuda_backend, METH_NOARGS, "Backend of the CUDA allocator, or None."},
+    {"cuda_detach", mgpy_cuda_detach, METH_NOARGS,
+     "cuda_detach(): back the CUDA allocator with nothing again (its cache released); "
+     "RuntimeError while blocks are in use."},
     {"cuda_stats", mgpy_cuda_stats, METH_O, "cuda_stats(device) -> counters as a flat dict."},
     {"cuda_set_budget", mgpy_cuda_set_budget, METH_VARARGS,
      "cuda_set_budget(device, bytes): 0 for none."},

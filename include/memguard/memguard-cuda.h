@@ -68,6 +68,9 @@ typedef struct mg_dev_stats {
 /** Use @p backend from now on (copied). EBUSY while blocks are alive under
  * another backend; the cache of the old one is released first. */
 MG_API int mg_dev_init(const mg_dev_backend_t *backend);
+/** Use no backend again (as before mg_dev_init): the cache is released
+ * first; EBUSY while blocks are alive. */
+MG_API int mg_dev_detach(void);
 /** Name of the backend in use, or NULL before mg_dev_init. */
 MG_API const char *mg_dev_backend_name(void);
 /** Allocate @p size bytes on @p device for use on @p stream (opaque; NULL

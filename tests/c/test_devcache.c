@@ -89,6 +89,15 @@ static void test_errors(void)
     CHECK_EQ(mg_dev_alloc(0, NULL, SIZE_MAX, &p), ENOMEM);
     CHECK_EQ(stats(0).num_ooms, 1);
     check_empty(0);
+    /* detached: as before any backend, until the next init */
+    CHECK_EQ(mg_dev_alloc(0, NULL, 64, &p), 0);
+    CHECK_EQ(mg_dev_detach(), EBUSY); /* a block is alive */
+    mg_dev_free(0, p);
+    CHECK_EQ(mg_dev_detach(), 0);
+    CHECK(mg_dev_backend_name() == NULL);
+    CHECK_EQ(mg_dev_alloc(0, NULL, 64, &p), ENODEV);
+    CHECK_EQ(mg_dev_init(&FAKE), 0);
+    check_empty(0);
 }
 
 /* Class sizes: 512-byte steps to 4 KiB, then at most 12.5 % rounding; large

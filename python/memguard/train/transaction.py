@@ -35,7 +35,7 @@ import torch
 
 from memguard import _C
 from memguard._common import size
-from memguard.memory import arena
+from memguard.memory import arena, cuda
 from memguard.memory.oom import is_oom
 
 
@@ -103,17 +103,26 @@ def _room(params: list[torch.Tensor]) -> int | None:
     """Bytes the next allocations may still take where an out-of-memory
     error can happen, ``None`` where none is expected (no budget to pass)."""
     if params and params[0].is_cuda:
-        torch_ = sys.modules["torch"]
         dev = params[0].device
-        free, _ = torch_.cuda.mem_get_info(dev)
-        cached = torch_.cuda.memory_reserved(dev) - torch_.cuda.memory_allocated(dev)
-        return int(free + cached)
+        free, _ = sys.modules["torch"].cuda.mem_get_info(dev)
+        return device_room(free, cuda.stats(dev))  # torch's counters fail under memguard's
     if not arena.installed():
         return None
     st = _C.arena_stats()
     if not st["budget_bytes"]:
         return None
     return int(st["budget_bytes"] - st["reserved_bytes.current"] + st["cached_bytes"])
+
+
+def device_room(free: int, stats: dict[str, int]) -> int:
+    """Bytes a CUDA device can still give: what the driver has free plus the
+    allocator's cache, within the budget of memguard's allocator where it
+    has one (``stats`` as :func:`memguard.cuda.stats` gives them)."""
+    room = free + stats["cached_bytes"]
+    if stats.get("budget_bytes"):
+        room = min(room, stats["budget_bytes"] - stats["reserved_bytes.current"]
+                   + stats["cached_bytes"])
+    return max(0, int(room))
 
 
 class _Backup:
