@@ -4,9 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEPS   := $(VENV)/.memguard-deps
 EXT    := python/memguard/_C$(shell $(PYTHON) -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")
-CSRC   := $(wildcard csrc/*/*.c csrc/*/*.h include/memguard/*.h)
+CSRC   := $(wildcard csrc/*/*.c csrc/*/*.h csrc/platform/*/*.c csrc/platform/*/*.h \
+            include/memguard/*.h)
 
-.PHONY: all build test ctest demo bench fuzz system-deps lint clean
+.PHONY: all build posix test test-posix ctest demo bench fuzz system-deps lint clean
 
 all: build
 
@@ -21,8 +22,25 @@ $(EXT): $(DEPS) $(CSRC) setup.py
 
 build: $(EXT)
 
-test: build
+test: build posix
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-posix
+
+# The POSIX fallback layer (what a Unix without its own layer builds), built
+# here with MEMGUARD_PLATFORM=posix into build/posix/, and the
+# platform-independent tests run on it.
+POSIX_LIB := build/posix/lib
+PORTABLE_TESTS := tests/test_platform.py tests/test_planner.py tests/test_batch.py \
+  tests/test_step_transaction.py tests/test_guard.py tests/test_guard_oom.py \
+  tests/test_lightning.py tests/test_gradcache.py tests/test_checkpoint.py tests/test_mps.py
+
+posix: $(DEPS) $(CSRC) setup.py
+	MEMGUARD_PLATFORM=posix $(PY) setup.py -q build --build-base build/posix \
+	  --build-lib $(POSIX_LIB) >/dev/null
+
+test-posix: posix
+	MEMGUARD_PLATFORM=posix PYTHONPATH=$(POSIX_LIB) $(PY) -m pytest -q -p no:cacheprovider \
+	  $(PORTABLE_TESTS)
 
 # The C unit tests alone: plain, under AddressSanitizer + UBSan, and under
 # ThreadSanitizer (each skips where the compiler lacks its runtime).

@@ -7,10 +7,21 @@ import sys
 from glob import glob
 
 from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 from setuptools.command.build_ext import build_ext
 
-#: the platform layers the C core is built for, by sys.platform
-LAYERS = {"linux": "linux"}
+#: The platform layers of the C core: the files under csrc/platform/ each
+#: builds. posix is the fallback (getrusage, sysconf, pipes, no in-process
+#: allocator); darwin adds macOS's own sources to posix's notifiers and stubs.
+LAYERS = {
+    "linux": ["linux/*.c"],
+    "posix": ["posix/*.c"],
+    "darwin": ["darwin/*.c", "posix/notify.c", "posix/install.c", "posix/swapin.c"],
+}
+#: sys.platform -> layer: Linux and macOS have their own, other Unixes the fallback
+SYSTEMS = {"linux": "linux", "darwin": "darwin", "freebsd": "posix", "openbsd": "posix",
+           "netbsd": "posix", "sunos": "posix"}
 
 
 def platform_layer(system: str, forced: str | None) -> str:
@@ -18,18 +29,34 @@ def platform_layer(system: str, forced: str | None) -> str:
     ``MEMGUARD_PLATFORM`` when set.
 
     Raises:
-        SystemExit: no layer for this platform, with what would be needed,
-            before any compiler runs.
+        SystemExit: no layer for this platform (or the one forced), with what
+            there is, before any compiler runs.
     """
-    layer = forced or LAYERS.get(system)
-    if layer in LAYERS.values():
+    if forced:
+        if forced in LAYERS:
+            return forced
+        raise SystemExit(f"memguard: MEMGUARD_PLATFORM={forced!r} is not a platform layer; "
+                         f"the C core has {', '.join(sorted(LAYERS))}. Unset it to build the "
+                         f"layer of this platform.")
+    layer = next((v for k, v in SYSTEMS.items() if system.startswith(k)), None)
+    if layer:
         return layer
-    asked = f"MEMGUARD_PLATFORM={forced!r}" if forced else f"this platform ({system!r})"
     raise SystemExit(
-        f"memguard: cannot build for {asked}: the C core has a platform layer for Linux "
-        f"only ({', '.join(sorted(set(LAYERS.values())))}). It reads /proc and cgroups, wakes "
-        f"its sampler with eventfd and rebinds ELF import slots; the portable POSIX and macOS "
-        f"layers are not written yet. On Linux, unset MEMGUARD_PLATFORM.")
+        f"memguard: cannot build for this platform ({system!r}): the C core needs a POSIX "
+        f"system (threads, poll, mmap) and has layers for Linux, macOS and other Unixes "
+        f"({', '.join(sorted(LAYERS))}). On Windows, use WSL2, where the Linux layer builds.")
+
+
+def layer_sources(layer: str) -> list[str]:
+    """The C core of ``layer``: csrc/core/ and the layer's platform files
+    (no shims, no Python binding), relative to this file's folder."""
+    def here(pattern: str) -> list[str]:
+        return sorted(os.path.relpath(f, HERE) for f in glob(os.path.join(HERE, pattern)))
+
+    files = here("csrc/core/*.c")
+    for pattern in LAYERS[layer]:
+        files += here(f"csrc/platform/{pattern}")
+    return files
 
 
 LAYER = platform_layer(sys.platform, os.environ.get("MEMGUARD_PLATFORM") or None)
@@ -50,7 +77,7 @@ CFLAGS = [
     f'-DMG_PLATFORM="{LAYER}"',
 ]
 
-core = sorted(glob("csrc/core/*.c"))
+core = layer_sources(LAYER)
 shim = sorted(f for f in glob("csrc/shim/*.c") if not f.endswith("preload.c"))
 binding = sorted(glob("csrc/python/*.c"))
 
@@ -67,6 +94,8 @@ class build_ext_with_preload(build_ext):
 
     def run(self):
         super().run()
+        if LAYER != "linux":     # LD_PRELOAD and ELF symbol interposition are Linux's
+            return
         out_dir = os.path.dirname(self.get_ext_fullpath("memguard._C"))
         target = os.path.join(out_dir, "libmemguard_preload.so")
         deps = PRELOAD + glob("csrc/*/*.h") + glob("include/memguard/*.h")
@@ -88,7 +117,8 @@ if __name__ == "__main__":       # pip and setuptools run this file as __main__
             Extension(
                 "memguard._C",
                 sources=core + shim + binding,
-                include_dirs=["include", "csrc/core", "csrc/shim", "csrc/python"],
+                include_dirs=["include", "csrc/core", "csrc/shim", "csrc/python",
+                              f"csrc/platform/{LAYER}"],
                 extra_compile_args=CFLAGS,
                 libraries=["pthread", "m", "dl"],
             )

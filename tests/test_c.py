@@ -15,6 +15,8 @@ import subprocess
 
 import pytest
 
+from tests.csources import LAYERS, layer_of, layer_sources
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CTESTS = sorted((ROOT / "tests" / "c").glob("test_*.c"))
 FIXTURES = ROOT / "tests" / "fixtures" / "proc"
@@ -27,7 +29,7 @@ if CC_CMD and not shutil.which(CC_CMD[0]):
     CC = None
 
 COMMON = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE",
-          "-Iinclude", "-Icsrc/core"]
+          "-Iinclude", "-Icsrc/core", "-Icsrc/platform/darwin"]
 FLAVOURS = {
     "plain": ["-O2"],
     # float-cast-overflow is not part of GCC's -fsanitize=undefined, and a
@@ -77,7 +79,8 @@ def _build(flavour: str) -> dict[str, pathlib.Path]:
     out = BUILD / flavour
     out.mkdir(parents=True, exist_ok=True)
     flags = [*CC_CMD, *COMMON, *FLAVOURS[flavour]]
-    headers = [*(ROOT / "include" / "memguard").glob("*.h"), *(ROOT / "csrc" / "core").glob("*.h")]
+    headers = [*(ROOT / "include" / "memguard").glob("*.h"), *(ROOT / "csrc" / "core").glob("*.h"),
+               *(ROOT / "csrc" / "platform").glob("*/*.h")]
     # another compiler or other flags: nothing built before counts
     stamp = out / "command"
     if not stamp.exists() or stamp.read_text() != " ".join(flags):
@@ -85,10 +88,11 @@ def _build(flavour: str) -> dict[str, pathlib.Path]:
             old.unlink()
         stamp.write_text(" ".join(flags))
     headers.append(stamp)
-    objs, jobs = [], []
-    for src in sorted((ROOT / "csrc" / "core").glob("*.c")):
-        obj = out / f"core_{src.stem}.o"
-        objs.append(obj)
+    objs: dict[pathlib.Path, pathlib.Path] = {}
+    jobs = []
+    for src in {s for layer in (*LAYERS, "darwin") for s in layer_sources(layer)}:
+        obj = out / f"{src.parent.name}_{src.stem}.o"
+        objs[src] = obj
         if _stale(obj, [src, *headers]):
             jobs.append(([*flags, "-c", str(src)], obj))
     _parallel(jobs)
@@ -97,8 +101,9 @@ def _build(flavour: str) -> dict[str, pathlib.Path]:
     for src in CTESTS:
         exe = out / src.stem
         bins[src.stem] = exe
-        if _stale(exe, [src, harness, *headers, *objs]):
-            jobs.append(([*flags, str(src), *map(str, objs), *LIBS], exe))
+        linked = [objs[s] for s in layer_sources(layer_of(src.stem))]
+        if _stale(exe, [src, harness, *headers, *linked]):
+            jobs.append(([*flags, str(src), *map(str, linked), *LIBS], exe))
     _parallel(jobs)
     return bins
 

@@ -801,6 +801,8 @@ def test_budget_covers_the_whole_process():
     import memguard
     from memguard.memory import arena as allocator
 
+    if memguard.sample().footprint_bytes is None:
+        pytest.skip(f"the {memguard._C.PLATFORM} layer cannot see what the process holds")
     g = memguard.Guard(budget="1MiB")
     with pytest.raises(ValueError, match="1.0 MiB is below what this process already holds"):
         g.install()

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "python" / "memguard"
 SUBPACKAGES = ("telemetry", "memory", "train", "integrations", "cli")
 DOCS = ("telemetry", "allocator", "cuda", "throttle", "lightning", "pytest", "options",
-        "design", "benchmarks")
+        "design", "benchmarks", "platforms")
 
 
 def _module_name(path: Path) -> str:

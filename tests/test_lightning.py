@@ -92,7 +92,10 @@ def test_callback_logs_through_the_trainers_logger(tmp_path):
     for r in step_rows:
         assert float(r["memguard/micro_batch"]) == 8
         assert float(r["memguard/budget_mib"]) == 4096
-        assert float(r["memguard/rss_mib"]) > 10           # a real sample of this process
+        if memguard.sample().rss_bytes is not None:       # a platform layer that sees RSS
+            assert float(r["memguard/rss_mib"]) > 10       # a real sample of this process
+        else:
+            assert r.get("memguard/rss_mib") in (None, "")  # never a made-up figure
         assert float(r["memguard/pressure_level"]) in (0, 1, 2, 3)
         assert float(r["memguard/ooms_recovered"]) == 0
     # the user's own log, once per batch: the mean over its micro-batches

@@ -520,6 +520,9 @@ FIRST_SAMPLE = {
     "children": None, "children_bytes": None,
     # nothing pushed CUDA counters to this sampler
     **{f: None for f in _C.sample_fields() if f.startswith("cuda_")},
+    # Linux has no compressor counters and no kernel level of its own (macOS's)
+    "compressed_bytes": None, "compressions": None, "compressions_per_s": None,
+    "os_pressure_level": None,
 }
 
 

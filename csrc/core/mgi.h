@@ -91,7 +91,8 @@ int mgi_parse_double(const char *text, double *out);
 /* v1 reports "no limit" as a huge page-rounded number. */
 #define MGI_V1_UNLIMITED ((uint64_t)1 << 62)
 
-/* ---- sources (sources.c): kept-open descriptors, stack buffers ---------- */
+/* ---- sources (the platform layer's sources.c) -------------------------------
+ * Linux: kept-open /proc and cgroup descriptors read into stack buffers. */
 
 enum {
     MGI_SRC_STATUS, MGI_SRC_STAT, MGI_SRC_STATM, MGI_SRC_MEMINFO, MGI_SRC_VMSTAT, MGI_SRC_PSI,
@@ -136,6 +137,7 @@ typedef struct mgi_sources {
 
     uint64_t page_size;             /* for statm */
     uint64_t maxrss_bytes;          /* peak RSS from getrusage (live only) */
+    void *layer;                    /* the platform layer's own state (macOS), or NULL */
     int64_t slow_period_ns;         /* refresh period of the slow sources */
     int64_t slow_at_ns;             /* time of the last refresh, 0 never */
     mgi_slow_t slow;
@@ -151,6 +153,10 @@ void mgi_sources_close(mgi_sources_t *src);
 /* Close without touching anything but the descriptors (fork child). */
 void mgi_sources_forget(mgi_sources_t *src);
 
+/* ---- the sample (sample.c): what every platform layer shares ------------ */
+
+/* Per-second rate of a counter; a counter that went backwards reads 0. */
+double mgi_rate(uint64_t prev, uint64_t cur, double seconds);
 /* Zero *s, set size/version, and mark every rate and fraction NaN (absent). */
 void mgi_sample_init(mg_sample_t *s);
 /* The arena's counters into *s (MG_HAVE_ARENA when an arena exists). */
@@ -162,10 +168,28 @@ void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur);
  * and theirs: DataLoader workers). */
 #define MGI_TREE_MAX 64
 
-/* Fault the process's swapped-out pages back in (swapin.c): every readable
- * mapping of <proc_root>/self/smaps that holds swap. @p swap_bytes gets
- * what they held. 0 or errno. */
+/* Fault the process's swapped-out pages back in (the layer's swapin.c):
+ * every readable mapping of <proc_root>/self/smaps that holds swap. @p
+ * swap_bytes gets what they held. 0 or errno; ENOSYS where the layer cannot. */
 int mgi_swap_in(const char *proc_root, uint64_t *swap_bytes);
+
+/* ---- notifiers (the platform layer's notify.c) --------------------------
+ * A flag one thread raises and another polls for POLLIN on rd, with no
+ * allocation and no lock: an eventfd on Linux (rd == wr), a non-blocking
+ * pipe elsewhere. Signalling an already signalled notifier changes nothing. */
+typedef struct mgi_note {
+    int rd, wr; /* -1 when closed */
+} mgi_note_t;
+#define MGI_NOTE_CLOSED {-1, -1}
+
+/* Open *n unless it is open; 0 or errno. */
+int mgi_note_open(mgi_note_t *n);
+void mgi_note_signal(const mgi_note_t *n);
+/* Clear *n; 1 when it was signalled. */
+int mgi_note_drain(const mgi_note_t *n);
+void mgi_note_close(mgi_note_t *n);
+/* Block until *n is signalled (1) or timeout_ns has passed (0). */
+int mgi_note_wait(const mgi_note_t *n, int64_t timeout_ns);
 
 /* ---- util --------------------------------------------------------------- */
 int64_t mgi_clock_ns(int clock_id);

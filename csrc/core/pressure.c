@@ -104,6 +104,26 @@ int mg_pressure_cuda_level(const mg_pressure_opts_t *o, mg_sample_t *s, uint32_t
     return raw;
 }
 
+/* The operating system's own signals (macOS): the kernel's level, and the
+ * pages it pushes out of memory each second, to its compressor or to swap,
+ * judged as swap-ins are (the compressor fills before swap is written, so
+ * its growth is the early sign the story's 14 GB of compressed memory was). */
+static void consider_os(const mg_pressure_opts_t *o, const mg_sample_t *s, int *raw,
+                        uint32_t *reasons)
+{
+    if (s->have & MG_HAVE_OS_LEVEL) {
+        int lvl = s->os_pressure_level >= MG_OS_LEVEL_CRITICAL ? MG_LEVEL_CRITICAL
+                  : s->os_pressure_level >= MG_OS_LEVEL_WARN   ? MG_LEVEL_HIGH
+                                                               : MG_LEVEL_OK;
+        consider(lvl, MG_REASON_OS, raw, reasons);
+    }
+    if ((s->have & MG_HAVE_COMPRESSED) && !isnan(s->compressions_per_s)) {
+        double out = s->compressions_per_s +
+                     (isnan(s->swap_out_pages_per_s) ? 0.0 : s->swap_out_pages_per_s);
+        consider(above(out, o->swap_in), MG_REASON_COMPRESSOR, raw, reasons);
+    }
+}
+
 int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
 {
     const mg_pressure_opts_t *o = &p->opts;
@@ -156,6 +176,7 @@ int mg_pressure_update(mg_pressure_t *p, mg_sample_t *s)
              MG_REASON_PSI, &raw, &reasons);
     consider(above(s->swap_in_pages_per_s, o->swap_in), MG_REASON_SWAP, &raw, &reasons);
     consider(above(s->major_faults_per_s, o->major_faults), MG_REASON_FAULTS, &raw, &reasons);
+    consider_os(o, s, &raw, &reasons);
     uint32_t cuda_reasons;
     int cuda = mg_pressure_cuda_level(o, s, &cuda_reasons);
     if (cuda_reasons)

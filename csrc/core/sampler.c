@@ -10,7 +10,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -24,13 +23,13 @@ struct mg_sampler {
     char cgroup_root[MGI_PATH_MAX];
     mg_pressure_opts_t popts;
 
-    /* op_lock guards running, thread and the eventfd lifecycle. While the
+    /* op_lock guards running, thread and the notifiers' lifecycle. While the
      * thread runs it alone touches src, prev, have_prev and pressure; when
      * it does not, they belong to whoever holds op_lock. */
     pthread_mutex_t op_lock;
     int running;
     pthread_t thread;
-    int stop_fd, level_fd, sample_fd, wake_fd; /* eventfds, -1 when closed */
+    mgi_note_t stop, level, sample, wake; /* closed: -1 */
     mgi_sources_t src;
     int src_open;
     mg_sample_t prev;
@@ -39,7 +38,7 @@ struct mg_sampler {
 
     _Atomic uint64_t budget_bytes;   /* asked for; 0: none */
     _Atomic int live;                /* judge against mg_budget_live() */
-    _Atomic int notify;              /* write sample_fd after each sample */
+    _Atomic int notify;              /* signal sample after each sample */
     clockid_t cpu_clock;             /* the running thread's CPU clock (op_lock) */
     _Atomic uint64_t cpu_ns_before;  /* thread CPU time of finished runs */
 
@@ -83,15 +82,16 @@ static void fork_parent(void)
     pthread_mutex_unlock(&reg_lock);
 }
 
-static void close_fd(int *fd)
+static void close_notes(mg_sampler_t *s)
 {
-    if (*fd >= 0)
-        close(*fd);
-    *fd = -1;
+    mgi_note_close(&s->stop);
+    mgi_note_close(&s->level);
+    mgi_note_close(&s->sample);
+    mgi_note_close(&s->wake);
 }
 
 /* The child has only the forking thread: every sampler thread is gone, the
- * descriptors on /proc/self name the parent, and the eventfds are shared
+ * descriptors on /proc/self name the parent, and the notifiers are shared
  * with it. Forget all of them; start() makes new ones. */
 static void fork_child(void)
 {
@@ -104,10 +104,7 @@ static void fork_child(void)
         mgi_sources_forget(&s->src);
         s->src_open = 0;
         s->have_prev = 0;
-        close_fd(&s->stop_fd);
-        close_fd(&s->level_fd);
-        close_fd(&s->sample_fd);
-        close_fd(&s->wake_fd);
+        close_notes(s);
     }
     pthread_mutex_init(&reg_lock, NULL);
 }
@@ -117,32 +114,15 @@ static void register_atfork(void)
     pthread_atfork(fork_prepare, fork_parent, fork_child);
 }
 
-static int open_eventfds(mg_sampler_t *s)
+static int open_notes(mg_sampler_t *s)
 {
-    int *fds[] = {&s->stop_fd, &s->level_fd, &s->sample_fd, &s->wake_fd};
+    mgi_note_t *notes[] = {&s->stop, &s->level, &s->sample, &s->wake};
     for (size_t i = 0; i < 4; i++) {
-        if (*fds[i] >= 0)
-            continue;
-        *fds[i] = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-        if (*fds[i] < 0)
-            return errno;
+        int rc = mgi_note_open(notes[i]);
+        if (rc)
+            return rc;
     }
     return 0;
-}
-
-static void signal_fd(int fd)
-{
-    if (fd >= 0) {
-        uint64_t one = 1;
-        ssize_t n = write(fd, &one, sizeof(one));
-        (void)n; /* EAGAIN only when the counter is saturated: already signalled */
-    }
-}
-
-static int drain_fd(int fd)
-{
-    uint64_t v;
-    return fd >= 0 && read(fd, &v, sizeof(v)) == (ssize_t)sizeof(v);
 }
 
 int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
@@ -201,13 +181,10 @@ int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
     pthread_mutex_init(&s->cuda_lock, NULL);
     for (int i = 0; i < MGI_SRC_COUNT; i++)
         s->src.fd[i] = -1;
-    s->stop_fd = s->level_fd = s->sample_fd = s->wake_fd = -1;
-    int rc = open_eventfds(s);
+    s->stop = s->level = s->sample = s->wake = (mgi_note_t)MGI_NOTE_CLOSED;
+    int rc = open_notes(s);
     if (rc) {
-        close_fd(&s->stop_fd);
-        close_fd(&s->level_fd);
-        close_fd(&s->sample_fd);
-        close_fd(&s->wake_fd);
+        close_notes(s);
         free(s->ring);
         free(s);
         return rc;
@@ -316,26 +293,22 @@ static void take_sample(mg_sampler_t *s, mg_sample_t *out)
     if (out)
         *out = cur;
     if (changed)
-        signal_fd(s->level_fd);
+        mgi_note_signal(&s->level);
     if (atomic_load_explicit(&s->notify, memory_order_relaxed))
-        signal_fd(s->sample_fd);
+        mgi_note_signal(&s->sample);
 }
 
 static void *sampler_main(void *arg)
 {
     mg_sampler_t *s = arg;
     int64_t next = mgi_clock_ns(CLOCK_MONOTONIC);
-    struct pollfd pfd = {.fd = s->stop_fd, .events = POLLIN};
     for (;;) {
         take_sample(s, NULL);
         int64_t now = mgi_clock_ns(CLOCK_MONOTONIC);
         next += s->interval_ns;
         if (next <= now) /* fell behind (suspend, overload): skip, don't burst */
             next = now + s->interval_ns - (now - next) % s->interval_ns;
-        int64_t wait = next - now;
-        struct timespec ts = {.tv_sec = wait / 1000000000, .tv_nsec = wait % 1000000000};
-        int n = ppoll(&pfd, 1, &ts, NULL);
-        if (n > 0)
+        if (mgi_note_wait(&s->stop, next - now) > 0)
             break; /* stop requested */
     }
     /* the thread's CPU clock dies with it: bank this run's time */
@@ -351,14 +324,14 @@ int mg_sampler_start(mg_sampler_t *s)
         rc = EALREADY;
         goto out;
     }
-    if ((rc = open_eventfds(s)) != 0)
+    if ((rc = open_notes(s)) != 0)
         goto out;
     if (!s->src_open) {
         if ((rc = mgi_sources_open(&s->src, s->proc_root, s->cgroup_root)) != 0)
             goto out;
         s->src_open = 1;
     }
-    drain_fd(s->stop_fd);
+    mgi_note_drain(&s->stop);
 
     sigset_t all, old;
     sigfillset(&all);
@@ -379,9 +352,9 @@ int mg_sampler_stop(mg_sampler_t *s)
 {
     pthread_mutex_lock(&s->op_lock);
     if (s->running) {
-        signal_fd(s->stop_fd);
+        mgi_note_signal(&s->stop);
         pthread_join(s->thread, NULL);
-        drain_fd(s->stop_fd);
+        mgi_note_drain(&s->stop);
         s->running = 0;
     }
     pthread_mutex_unlock(&s->op_lock);
@@ -464,32 +437,32 @@ void mg_sampler_notify_samples(mg_sampler_t *s, int on)
 int mg_sampler_wait(mg_sampler_t *s, int timeout_ms, int *wake)
 {
     struct pollfd p[3] = {
-        {.fd = s->level_fd, .events = POLLIN},
-        {.fd = s->sample_fd, .events = POLLIN},
-        {.fd = s->wake_fd, .events = POLLIN},
+        {.fd = s->level.rd, .events = POLLIN},
+        {.fd = s->sample.rd, .events = POLLIN},
+        {.fd = s->wake.rd, .events = POLLIN},
     };
     *wake = 0;
     int n = poll(p, 3, timeout_ms);
     if (n < 0)
         return errno == EINTR ? 0 : errno;
-    if ((p[0].revents & POLLIN) && drain_fd(s->level_fd))
+    if ((p[0].revents & POLLIN) && mgi_note_drain(&s->level))
         *wake |= MG_WAKE_LEVEL;
-    if ((p[1].revents & POLLIN) && drain_fd(s->sample_fd))
+    if ((p[1].revents & POLLIN) && mgi_note_drain(&s->sample))
         *wake |= MG_WAKE_SAMPLE;
-    if ((p[2].revents & POLLIN) && drain_fd(s->wake_fd))
+    if ((p[2].revents & POLLIN) && mgi_note_drain(&s->wake))
         *wake |= MG_WAKE_USER;
     return 0;
 }
 
 int mg_sampler_wake(mg_sampler_t *s)
 {
-    signal_fd(s->wake_fd);
+    mgi_note_signal(&s->wake);
     return 0;
 }
 
 int mg_sampler_level_fd(const mg_sampler_t *s)
 {
-    return s->level_fd;
+    return s->level.rd;
 }
 
 int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out)
@@ -528,10 +501,7 @@ void mg_sampler_destroy(mg_sampler_t *s)
     }
     pthread_mutex_unlock(&reg_lock);
     mgi_sources_close(&s->src);
-    close_fd(&s->stop_fd);
-    close_fd(&s->level_fd);
-    close_fd(&s->sample_fd);
-    close_fd(&s->wake_fd);
+    close_notes(s);
     pthread_mutex_destroy(&s->op_lock);
     pthread_mutex_destroy(&s->ring_lock);
     pthread_mutex_destroy(&s->cuda_lock);

@@ -79,6 +79,14 @@ int mg_system_trim(const char **how)
         (void)trim(0);
         return 0;
     }
+    /* macOS: every malloc zone gives back what it can (goal 0: no limit) */
+    typedef size_t (*relief_fn)(void *, size_t);
+    relief_fn relief = (relief_fn)dlsym(RTLD_DEFAULT, "malloc_zone_pressure_relief");
+    if (relief) {
+        *how = "darwin";
+        (void)relief(NULL, 0);
+        return 0;
+    }
     *how = "none";
     return ENOTSUP;
 }

@@ -28,9 +28,10 @@ PyObject *mgpy_install(PyObject *m, PyObject *args)
                      prefix);
         return NULL;
     case ENOTSUP:
-        PyErr_SetString(PyExc_RuntimeError,
-                        "memguard's in-process allocator needs Linux on x86-64 or aarch64 "
-                        "(ELF import slots)");
+        PyErr_Format(PyExc_RuntimeError,
+                     "memguard's in-process allocator needs the linux platform layer on "
+                     "x86-64 or aarch64 (ELF import slots); this build's layer is %s, where "
+                     "the throttle works without it (Guard(allocator=False))", MG_PLATFORM);
         return NULL;
     default:
         return mgpy_raise(rc, "cannot install memguard's allocator");

@@ -23,12 +23,12 @@ typedef struct field {
 
 static const field_t fields[] = {
     U(seq, 0),
-    U(rss_bytes, MG_HAVE_STATUS), U(rss_peak_bytes, MG_HAVE_STATUS),
+    U(rss_bytes, MG_HAVE_STATUS), U(rss_peak_bytes, MG_HAVE_RSS_PEAK),
     U(swap_bytes, MG_HAVE_SWAP),
     U(minor_faults, MG_HAVE_FAULTS), U(major_faults, MG_HAVE_FAULTS),
     D(minor_faults_per_s, 0), D(major_faults_per_s, 0),
     U(mem_total_bytes, MG_HAVE_MEMINFO), U(mem_available_bytes, MG_HAVE_MEMAVAIL),
-    U(swap_total_bytes, MG_HAVE_MEMINFO), U(swap_free_bytes, MG_HAVE_MEMINFO),
+    U(swap_total_bytes, MG_HAVE_SWAP_TOTAL), U(swap_free_bytes, MG_HAVE_SWAP_TOTAL),
     U(swap_in_pages, MG_HAVE_VMSTAT), U(swap_out_pages, MG_HAVE_VMSTAT),
     U(system_major_faults, MG_HAVE_VMSTAT),
     D(swap_in_pages_per_s, 0), D(swap_out_pages_per_s, 0),
@@ -60,11 +60,13 @@ static const field_t fields[] = {
     D(cuda_budget_used_fraction, 0),
     U(footprint_bytes, MG_HAVE_FOOTPRINT),
     U(children_bytes, MG_HAVE_CHILDREN), U32(children, MG_HAVE_CHILDREN),
+    U(compressed_bytes, MG_HAVE_COMPRESSED), U(compressions, MG_HAVE_COMPRESSED),
+    D(compressions_per_s, 0), I(os_pressure_level, MG_HAVE_OS_LEVEL),
 };
 #define N_FIELDS (sizeof(fields) / sizeof(fields[0]))
 
 static const char *const reason_names[] = {"budget", "headroom", "psi", "swap", "faults",
-                                           "cuda_retries"};
+                                           "cuda_retries", "os", "compressor"};
 
 /* MG_BUDGET_SRC_* by name; NONE is None. */
 static const char *const budget_sources[] = {NULL, "user", "cgroup", "host"};

@@ -7,6 +7,11 @@
 
 #include "mgi.h"
 
+/* The platform layer this module was built with (setup.py sets it). */
+#ifndef MG_PLATFORM
+#define MG_PLATFORM "linux"
+#endif
+
 /* Per-module state (multi-phase init). */
 typedef struct mgpy_state {
     PyTypeObject *sampler_type;

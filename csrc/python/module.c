@@ -81,9 +81,6 @@ static int exec_module(PyObject *m)
     st->planner_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &mgpy_planner_spec, NULL);
     if (!st->planner_type || PyModule_AddType(m, st->planner_type))
         return -1;
-#ifndef MG_PLATFORM
-#define MG_PLATFORM "linux"
-#endif
     if (PyModule_AddStringConstant(m, "PLATFORM", MG_PLATFORM) ||
         PyModule_AddIntConstant(m, "SAMPLE_VERSION", MG_SAMPLE_VERSION) ||
         PyModule_AddIntConstant(m, "WAKE_LEVEL", MG_WAKE_LEVEL) ||

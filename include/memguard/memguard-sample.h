@@ -9,14 +9,14 @@
 
 #include <stdint.h>
 
-#define MG_SAMPLE_VERSION 4
+#define MG_SAMPLE_VERSION 5
 
 /** Bits of mg_sample_t.have. */
 enum {
-    MG_HAVE_STATUS = 1u << 0,        /**< rss_bytes, rss_peak_bytes */
+    MG_HAVE_STATUS = 1u << 0,        /**< rss_bytes (and rss_peak_bytes, before version 5) */
     MG_HAVE_SWAP = 1u << 1,          /**< swap_bytes (VmSwap) */
     MG_HAVE_FAULTS = 1u << 2,        /**< minor_faults, major_faults */
-    MG_HAVE_MEMINFO = 1u << 3,       /**< mem_total_bytes, swap_total/free */
+    MG_HAVE_MEMINFO = 1u << 3,       /**< mem_total_bytes (and swap_total/free, before version 5) */
     MG_HAVE_MEMAVAIL = 1u << 4,      /**< mem_available_bytes */
     MG_HAVE_VMSTAT = 1u << 5,        /**< swap_in/out_pages, system_major_faults */
     MG_HAVE_PSI = 1u << 6,           /**< psi_some_* */
@@ -35,6 +35,19 @@ enum {
     MG_HAVE_CUDA_BUDGET = 1u << 19,  /**< cuda_budget_used_fraction (a CUDA budget is set) */
     MG_HAVE_FOOTPRINT = 1u << 20,    /**< footprint_bytes (version 4) */
     MG_HAVE_CHILDREN = 1u << 21,     /**< children, children_bytes (the process tree was read) */
+    MG_HAVE_RSS_PEAK = 1u << 22,     /**< rss_peak_bytes (version 5) */
+    MG_HAVE_SWAP_TOTAL = 1u << 23,   /**< swap_total_bytes, swap_free_bytes (version 5) */
+    MG_HAVE_COMPRESSED = 1u << 24,   /**< compressed_bytes, compressions (version 5; macOS) */
+    MG_HAVE_OS_LEVEL = 1u << 25,     /**< os_pressure_level (version 5; macOS) */
+};
+
+/** The kernel's own memory pressure levels (macOS's
+ * kern.memorystatus_vm_pressure_level, the values of dispatch's
+ * DISPATCH_MEMORYPRESSURE_NORMAL, _WARN and _CRITICAL). */
+enum {
+    MG_OS_LEVEL_NORMAL = 1,
+    MG_OS_LEVEL_WARN = 2,
+    MG_OS_LEVEL_CRITICAL = 4,
 };
 
 /** What set mg_sample_t.budget_bytes (version 4). */
@@ -118,6 +131,13 @@ typedef struct mg_sample {
     uint32_t children;         /**< processes below this one (DataLoader workers) */
     int32_t budget_source;     /**< MG_BUDGET_SRC_* behind budget_bytes */
     uint64_t user_budget_bytes; /**< the budget asked for (0: none, or "auto") */
+
+    /* the operating system's own signals (version 5; macOS) */
+    uint64_t compressed_bytes;   /**< memory the compressor occupies */
+    uint64_t compressions;       /**< pages compressed since boot */
+    double compressions_per_s;   /**< NaN without a previous reading */
+    int32_t os_pressure_level;   /**< MG_OS_LEVEL_* */
+    uint32_t pad3;
 } mg_sample_t;
 
 #endif /* MEMGUARD_SAMPLE_H */

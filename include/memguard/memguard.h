@@ -41,6 +41,8 @@ enum {
     MG_REASON_SWAP = 1u << 3,     /**< swap-in rate */
     MG_REASON_FAULTS = 1u << 4,   /**< major page-fault rate */
     MG_REASON_CUDA_RETRIES = 1u << 5, /**< CUDA allocations retried after freeing cache */
+    MG_REASON_OS = 1u << 6,       /**< the kernel's own level (macOS: warn, critical) */
+    MG_REASON_COMPRESSOR = 1u << 7, /**< pages compressed or swapped out per second (macOS) */
 };
 
 /* ---- sizes and budgets -------------------------------------------------- */
@@ -226,7 +228,8 @@ MG_API int mg_option_next_warning(char *buf, size_t cap);
  * Give the system allocator's free memory back to the kernel: jemalloc
  * purges every arena when it is in the process (preloaded, alone or under
  * the shim), glibc trims its heaps (malloc_trim(0)) otherwise. @p how
- * receives "jemalloc", "glibc" or "none". Not for the allocation path.
+ * receives "jemalloc", "glibc", "darwin" (malloc_zone_pressure_relief) or "none".
+ * Not for the allocation path.
  * @return 0, ENOTSUP when neither is found, or jemalloc's error.
  */
 MG_API int mg_system_trim(const char **how);

@@ -21,7 +21,7 @@ import importlib
 from memguard import _options, telemetry
 from memguard._common import VERSION
 from memguard._options import MemguardConfigWarning, configure, option, options
-from memguard.memory import cuda
+from memguard.memory import cuda, mps
 from memguard.memory.arena import install, installed, stats, trim, uninstall
 from memguard.memory.oom import is_oom
 from memguard.telemetry import Event, Level, PressureEvent, Sample, Sampler, parse_budget, sample
@@ -66,7 +66,7 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     "Event", "Level", "PressureEvent", "Sample", "Sampler", "parse_budget", "sample",
     "telemetry",
     # memory
-    "cuda", "install", "installed", "is_oom", "stats", "trim", "uninstall",
+    "cuda", "install", "installed", "is_oom", "mps", "stats", "trim", "uninstall",
     # training
     "Accumulator", "BatchSizeResult", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",

@@ -80,13 +80,17 @@ def options() -> dict[str, float | str]:
     return {name: option(name) for name in _C.option_names()}
 
 
+#: read when memguard is built (setup.py), not at run time
+BUILD_VARIABLES = frozenset({"MEMGUARD_PLATFORM"})
+
+
 def warn_about_environment() -> None:
     """Report bad or unknown ``MEMGUARD_*`` variables once, as warnings."""
     for message in _C.option_warnings():
         warnings.warn(message, MemguardConfigWarning, stacklevel=3)
     known = {"MEMGUARD_" + n.upper() for n in _C.option_names()}
     for key in os.environ:
-        if key.startswith("MEMGUARD_") and key not in known:
+        if key.startswith("MEMGUARD_") and key not in known | BUILD_VARIABLES:
             shown = key.encode(errors="surrogateescape").decode(errors="backslashreplace")
             warnings.warn(
                 f"{shown} is not a memguard option; known: {', '.join(sorted(known))}",

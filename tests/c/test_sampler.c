@@ -110,8 +110,9 @@ static const scenario_t scenarios[] = {
 
 static void check_sample(const scenario_t *e, const mg_sample_t *s)
 {
-    uint64_t have = MG_HAVE_STATUS | MG_HAVE_FAULTS | MG_HAVE_MEMINFO | MG_HAVE_VMSTAT |
-                    MG_HAVE_CGROUP | MG_HAVE_CGROUP_WS | MG_HAVE_HEADROOM | MG_HAVE_FOOTPRINT;
+    uint64_t have = MG_HAVE_STATUS | MG_HAVE_RSS_PEAK | MG_HAVE_FAULTS | MG_HAVE_MEMINFO |
+                    MG_HAVE_SWAP_TOTAL | MG_HAVE_VMSTAT | MG_HAVE_CGROUP | MG_HAVE_CGROUP_WS |
+                    MG_HAVE_HEADROOM | MG_HAVE_FOOTPRINT;
     have |= e->have_swap ? MG_HAVE_SWAP : 0;
     have |= e->have_avail ? MG_HAVE_MEMAVAIL : 0;
     have |= e->have_psi ? MG_HAVE_PSI | MG_HAVE_PSI_FULL : 0;

@@ -20,6 +20,10 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:      # run as a script: python tests/fuzz/run.py
+    sys.path.insert(0, str(ROOT))
+from tests.csources import layer_sources
+
 HERE = ROOT / "tests" / "fuzz"
 BUILD = ROOT / "build" / "fuzz"
 TARGETS = ("procfs", "budget", "options")
@@ -58,7 +62,7 @@ def build(target: str) -> pathlib.Path:
     if cc is None:
         raise RuntimeError("no clang on PATH (Debian: apt-get install clang)")
     exe = BUILD / f"fuzz_{target}"
-    sources = [HERE / f"fuzz_{target}.c", *sorted((ROOT / "csrc" / "core").glob("*.c"))]
+    sources = [HERE / f"fuzz_{target}.c", *layer_sources("linux")]
     inputs = [*sources, *(ROOT / "csrc" / "core").glob("*.h"),
               *(ROOT / "include" / "memguard").glob("*.h")]
     if exe.exists() and all(p.stat().st_mtime <= exe.stat().st_mtime for p in inputs):

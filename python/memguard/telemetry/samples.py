@@ -125,6 +125,13 @@ class Sample:
     children_bytes: int | None = None
     budget_source: str | None = None      # "user", "cgroup" or "host"
     user_budget_bytes: int | None = None  # the budget asked for, when one was
+    # the operating system's own signals (macOS): memory its compressor
+    # occupies, pages compressed since boot and their rate, and the kernel's
+    # level (1 normal, 2 warn, 4 critical)
+    compressed_bytes: int | None = None
+    compressions: int | None = None
+    compressions_per_s: float | None = None
+    os_pressure_level: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Sample:

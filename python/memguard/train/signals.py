@@ -13,8 +13,12 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
+from memguard import _C
+from memguard._common import size
+from memguard._options import MemguardConfigWarning
 from memguard.memory.cuda import Governor
 from memguard.telemetry.events import Event
 from memguard.telemetry.exporters import open_exporter
@@ -70,6 +74,11 @@ class Signals:
         self.sampler.on_sample(self._on_sample)
         self.sampler.start()
         self._running = True
+        if budget and sample().footprint_bytes is None:
+            warnings.warn(
+                f"memguard: the {_C.PLATFORM} platform layer cannot see what this process "
+                f"holds, so the budget of {size(budget)} is not enforced; steps still split "
+                f"and recover from out-of-memory errors", MemguardConfigWarning, stacklevel=4)
         torch = sys.modules.get("torch")
         if isinstance(c.cuda, Governor) or (c.cuda is None and c.cuda_budget is not None
                                             and torch is not None and torch.cuda.is_available()):

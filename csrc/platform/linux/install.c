@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "memguard/memguard-arena.h"
-#include "shim.h"
+#include "rebind.h"
 
 typedef int (*memalign_fn)(void **, size_t, size_t);
 typedef void (*free_fn)(void *);

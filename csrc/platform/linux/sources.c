@@ -208,12 +208,6 @@ static int real_limit(uint64_t v, int unlimited)
     return !unlimited && v > 0 && v < MGI_V1_UNLIMITED;
 }
 
-/* Per-second rate of a counter; a counter that went backwards reads 0. */
-static double rate(uint64_t prev, uint64_t cur, double seconds)
-{
-    return cur >= prev ? (double)(cur - prev) / seconds : 0.0;
-}
-
 /* cgroup usage, into the sample. */
 static void read_cg_usage(mgi_sources_t *src, mg_sample_t *s, char *buf)
 {
@@ -388,8 +382,8 @@ static void refresh_slow(mgi_sources_t *src, mg_sample_t *s, char *buf)
     if (rd(src, MGI_SRC_VMSTAT, buf, &len) == 0 && mgi_parse_vmstat(buf, len, &vm, &why) == 0) {
         c->have_vm_rate = c->have_vm && src->slow_at_ns && dt > 0;
         if (c->have_vm_rate) {
-            c->swap_in_per_s = rate(c->vm.pswpin, vm.pswpin, (double)dt / 1e9);
-            c->swap_out_per_s = rate(c->vm.pswpout, vm.pswpout, (double)dt / 1e9);
+            c->swap_in_per_s = mgi_rate(c->vm.pswpin, vm.pswpin, (double)dt / 1e9);
+            c->swap_out_per_s = mgi_rate(c->vm.pswpout, vm.pswpout, (double)dt / 1e9);
         }
         c->vm = vm;
         c->have_vm = 1;
@@ -463,6 +457,7 @@ static void fill_slow(const mgi_sources_t *src, mg_sample_t *s)
             s->have |= MG_HAVE_STATUS;
             s->rss_bytes = c->status.rss_bytes;
         }
+        s->have |= MG_HAVE_RSS_PEAK;
         s->rss_peak_bytes = c->status.hwm_bytes;
         if (c->status.have_swap) {
             s->have |= MG_HAVE_SWAP;
@@ -480,12 +475,14 @@ static void fill_slow(const mgi_sources_t *src, mg_sample_t *s)
         s->footprint_bytes += c->children_bytes;
     }
     /* the peak is never below what we see now or what getrusage saw */
+    if (s->have & MG_HAVE_STATUS)
+        s->have |= MG_HAVE_RSS_PEAK;
     if (src->maxrss_bytes > s->rss_peak_bytes)
         s->rss_peak_bytes = src->maxrss_bytes;
     if (s->rss_bytes > s->rss_peak_bytes)
         s->rss_peak_bytes = s->rss_bytes;
     if (c->have_meminfo) {
-        s->have |= MG_HAVE_MEMINFO;
+        s->have |= MG_HAVE_MEMINFO | MG_HAVE_SWAP_TOTAL;
         s->mem_total_bytes = c->meminfo.total_bytes;
         s->swap_total_bytes = c->meminfo.swap_total_bytes;
         s->swap_free_bytes = c->meminfo.swap_free_bytes;
@@ -555,65 +552,4 @@ void mgi_sources_read(mgi_sources_t *src, mg_sample_t *s, int urgent)
     if (slow_due(src, s, urgent))
         refresh_slow(src, s, buf);
     fill_slow(src, s);
-}
-
-static double stall(uint64_t prev_us, uint64_t cur_us, double interval_us)
-{
-    double f = rate(prev_us, cur_us, interval_us);
-    return f > 1.0 ? 1.0 : f;
-}
-
-void mgi_sample_init(mg_sample_t *s)
-{
-    memset(s, 0, sizeof(*s));
-    s->size = sizeof(*s);
-    s->version = MG_SAMPLE_VERSION;
-    /* rates and fractions not computed read NaN, which Python turns into None */
-    s->minor_faults_per_s = s->major_faults_per_s = NAN;
-    s->swap_in_pages_per_s = s->swap_out_pages_per_s = NAN;
-    s->psi_some_stall = s->psi_full_stall = NAN;
-    s->cgroup_psi_some_stall = s->cgroup_psi_full_stall = NAN;
-    s->budget_used_fraction = s->headroom_fraction = NAN;
-    s->arena_budget_used_fraction = NAN;
-    s->cuda_budget_used_fraction = NAN;
-    s->cuda_device = -1;
-}
-
-void mgi_read_arena(mg_sample_t *s)
-{
-    mg_arena_stats_t a;
-    /* a handful of atomic loads; an arena never initialised reserves nothing */
-    if (mg_arena_stats(&a) != 0 || a.reserve_bytes == 0)
-        return;
-    s->have |= MG_HAVE_ARENA;
-    s->arena_allocated_bytes = a.allocated_current;
-    s->arena_reserved_bytes = a.reserved_current;
-    s->arena_cached_bytes = a.cached_bytes;
-    s->arena_budget_bytes = a.budget_bytes;
-    s->arena_ooms = a.num_ooms;
-}
-
-void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur)
-{
-    int64_t dt = cur->mono_ns - prev->mono_ns;
-    if (dt <= 0)
-        return;
-    double sec = (double)dt / 1e9, us = (double)dt / 1e3;
-    uint64_t both = prev->have & cur->have;
-    cur->interval_ns = dt;
-    cur->have |= MG_HAVE_RATES;
-    if (both & MG_HAVE_FAULTS) {
-        cur->minor_faults_per_s = rate(prev->minor_faults, cur->minor_faults, sec);
-        cur->major_faults_per_s = rate(prev->major_faults, cur->major_faults, sec);
-    }
-    if (both & MG_HAVE_PSI)
-        cur->psi_some_stall = stall(prev->psi_some_total_us, cur->psi_some_total_us, us);
-    if (both & MG_HAVE_PSI_FULL)
-        cur->psi_full_stall = stall(prev->psi_full_total_us, cur->psi_full_total_us, us);
-    if (both & MG_HAVE_CGROUP_PSI) {
-        cur->cgroup_psi_some_stall =
-            stall(prev->cgroup_psi_some_total_us, cur->cgroup_psi_some_total_us, us);
-        cur->cgroup_psi_full_stall =
-            stall(prev->cgroup_psi_full_total_us, cur->cgroup_psi_full_total_us, us);
-    }
 }

@@ -1,0 +1,37 @@
+"""The C core's sources by platform layer, as setup.py builds them, for the
+C tests and the fuzz targets (which compile the core themselves)."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _setup():
+    spec = importlib.util.spec_from_file_location("memguard_setup", ROOT / "setup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_SETUP = _setup()
+#: the layer a C test builds with, by the prefix of its name (test_posix_*.c);
+#: every other test builds with the Linux layer
+LAYERS = tuple(_SETUP.LAYERS)
+#: the macOS layer's pure part, which compiles anywhere (its Mach calls do not)
+DARWIN_PURE = ROOT / "csrc" / "platform" / "darwin" / "vmstat.c"
+
+
+def layer_sources(layer: str) -> list[pathlib.Path]:
+    """The C core of ``layer``; "darwin" is the posix layer plus darwin's pure
+    part, the one that can be built here."""
+    if layer == "darwin":
+        return [*layer_sources("posix"), DARWIN_PURE]
+    return [ROOT / f for f in _SETUP.layer_sources(layer)]
+
+
+def layer_of(name: str) -> str:
+    """The layer a C test named ``name`` (test_posix_sources) builds with."""
+    parts = name.split("_")
+    return parts[1] if len(parts) > 2 and parts[1] in LAYERS else "linux"
