@@ -13,9 +13,10 @@ from setuptools.command.build_ext import build_ext
 
 #: The platform layers of the C core: the files under csrc/platform/ each
 #: builds. posix is the fallback (getrusage, sysconf, pipes, no in-process
-#: allocator); darwin adds macOS's own sources to posix's notifiers and stubs.
+#: allocator) and holds what is plain POSIX for the others to share: Linux
+#: takes its thread CPU clocks, macOS its notifiers and its stubs.
 LAYERS = {
-    "linux": ["linux/*.c"],
+    "linux": ["linux/*.c", "posix/thread.c"],
     "posix": ["posix/*.c"],
     "darwin": ["darwin/*.c", "posix/notify.c", "posix/install.c", "posix/swapin.c"],
 }
@@ -75,6 +76,8 @@ CFLAGS = [
     # frame unwindable
     "-fexceptions",
     f'-DMG_PLATFORM="{LAYER}"',
+    # Apple's headers hide sysctlbyname and friends from strict ISO C
+    *(["-D_DARWIN_C_SOURCE"] if LAYER == "darwin" else []),
 ]
 
 core = layer_sources(LAYER)

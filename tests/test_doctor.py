@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from memguard import cli
+from memguard import _C, cli
 from memguard.cli import doctor
 from memguard.memory import cuda_advice
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
-ITEMS = ["platform", "memory", "swap", "PSI", "cgroup", "THP", "overcommit", "jemalloc",
+ITEMS = ["platform", "layer", "memory", "swap", "PSI", "cgroup", "THP", "overcommit", "jemalloc",
          "torch", "cuda allocator", "sampler"]
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -85,6 +85,21 @@ def test_every_item_reported_with_text(rows: dict[str, tuple[str, str]]) -> None
     assert list(rows) == ITEMS
     for item, (found, can) in rows.items():
         assert found and can, item
+
+
+def test_layer_row_says_what_the_layer_sees() -> None:
+    full = {f: 1 for _, f in doctor.SEEN_BY}
+    item, found, can = doctor.layer_row(full)
+    assert item == "layer" and found == f"{_C.PLATFORM}: sees " + ", ".join(
+        n for n, _ in doctor.SEEN_BY)
+    blind = {"minor_faults": 7, "rss_peak_bytes": 1, "mem_total_bytes": 2, "rss_bytes": None}
+    _, found, can = doctor.layer_row(blind)
+    assert found.startswith(f"{_C.PLATFORM}: sees peak RSS, page faults, memory total; "
+                            "cannot see RSS, footprint, process swap")
+    assert can.endswith("a budget cannot be enforced without the footprint")
+    live = doctor.layer_row(doctor.take_sample()[0])[1]   # this machine's, through /proc
+    assert live.startswith("linux: sees RSS, peak RSS, footprint,")
+    assert live.endswith("cannot see compressor, the kernel's pressure level")  # macOS's
 
 
 def test_memory_total_matches_meminfo(rows: dict[str, tuple[str, str]]) -> None:

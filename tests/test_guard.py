@@ -26,6 +26,9 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
+import sys
+import types
 from collections import namedtuple
 from typing import Any, Callable
 
@@ -824,3 +827,43 @@ def test_budget_covers_the_whole_process():
             assert 0.9 * held < state.outside_bytes < 1.1 * held + (64 << 20)
     finally:
         g.uninstall()
+
+
+def test_macos_footprint_peak_reads_rusage_v4_and_resets_per_step():
+    """The macOS peak reader against libproc's two calls, as a fake libc
+    gives them (the struct as <sys/resource.h> lays it out): the footprint
+    and its interval peak at their offsets; without the reset, no peak."""
+    import ctypes
+
+    from memguard.train.peaks import FootprintPeak, PeakMeter, process_peak
+
+    calls = []
+
+    def usage(pid, flavor, buf):
+        calls.append(("usage", pid, flavor))
+        raw = bytearray(FootprintPeak.SIZE_V4)
+        raw[FootprintPeak.FOOTPRINT_AT:FootprintPeak.FOOTPRINT_AT + 8] = \
+            (3 << 30).to_bytes(8, sys.byteorder)
+        raw[FootprintPeak.INTERVAL_MAX_AT:FootprintPeak.INTERVAL_MAX_AT + 8] = \
+            (5 << 30).to_bytes(8, sys.byteorder)
+        ctypes.memmove(buf, bytes(raw), len(raw))
+        return 0
+
+    libc = types.SimpleNamespace(proc_pid_rusage=usage,
+                                 proc_reset_footprint_interval=lambda pid: calls.append(
+                                     ("reset", pid)) or 0)
+    fp = FootprintPeak(libc)
+    assert FootprintPeak.SIZE_V4 == 296 and FootprintPeak.INTERVAL_MAX_AT == 280
+    assert fp.reset_peak() and fp.read() == (3 << 30, 5 << 30)
+    assert calls == [("reset", os.getpid()), ("usage", os.getpid(), 4)]
+    assert FootprintPeak(types.SimpleNamespace(proc_pid_rusage=usage)).read() == (3 << 30, None)
+    assert not FootprintPeak(types.SimpleNamespace()).reset_peak()
+    m = PeakMeter()
+    m._rss = fp
+    assert m.start(torch.zeros(2, 3)) == 3 << 30 and m.source == "footprint"
+    assert m.stop() == 5 << 30
+    # off macOS nothing is looked up: this system's reader is the RSS one
+    assert type(process_peak()).__name__ == ("FootprintPeak" if sys.platform == "darwin"
+                                             else "RssPeak")
+    if sys.platform != "darwin":
+        assert FootprintPeak().read() == (None, None) and not FootprintPeak().reset_peak()

@@ -191,6 +191,13 @@ void mgi_note_close(mgi_note_t *n);
 /* Block until *n is signalled (1) or timeout_ns has passed (0). */
 int mgi_note_wait(const mgi_note_t *n, int64_t timeout_ns);
 
+/* ---- threads (the layer's thread.c) -------------------------------------- */
+#include <pthread.h>
+#include <time.h>
+/* The CPU clock of @p thread for clock_gettime; 0 or errno (ENOTSUP where the
+ * system has no such clocks). */
+int mgi_thread_cpu_clock(pthread_t thread, clockid_t *clock);
+
 /* ---- util --------------------------------------------------------------- */
 int64_t mgi_clock_ns(int clock_id);
 /* pread from offset 0 into buf (cap-1 bytes at most), NUL-terminate. */

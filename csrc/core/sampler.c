@@ -340,7 +340,7 @@ int mg_sampler_start(mg_sampler_t *s)
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc == 0) {
         s->running = 1;
-        if (pthread_getcpuclockid(s->thread, &s->cpu_clock) != 0)
+        if (mgi_thread_cpu_clock(s->thread, &s->cpu_clock) != 0)
             s->cpu_clock = (clockid_t)-1;
     }
 out:

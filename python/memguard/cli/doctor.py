@@ -659,6 +659,42 @@ def platform_row() -> Row:
     return ("platform", found, loaded)
 
 
+#: what a platform layer can see, by the sample field that carries it
+SEEN_BY = (("RSS", "rss_bytes"), ("peak RSS", "rss_peak_bytes"),
+           ("footprint", "footprint_bytes"), ("process swap", "swap_bytes"),
+           ("page faults", "minor_faults"), ("memory total", "mem_total_bytes"),
+           ("available memory", "mem_available_bytes"), ("swap totals", "swap_total_bytes"),
+           ("paging counters", "swap_in_pages"), ("PSI", "psi_some_total_us"),
+           ("memory cgroup", "cgroup_version"), ("compressor", "compressed_bytes"),
+           ("the kernel's pressure level", "os_pressure_level"))
+
+
+def layer_row(sample: dict | None) -> Row:
+    """What this build's platform layer sees (read off a live sample) and
+    what memguard can do with it.
+
+    Args:
+        sample: a first sample (``take_sample``), or None.
+
+    Returns:
+        The report row.
+    """
+    sample = sample or {}
+    seen = [name for name, field in SEEN_BY if sample.get(field) is not None]
+    unseen = [name for name, field in SEEN_BY if sample.get(field) is None]
+    found = (f"{_C.PLATFORM}: sees {', '.join(seen) or 'nothing'}"
+             + (f"; cannot see {', '.join(unseen)}" if unseen else ""))
+    can = []
+    if _C.PLATFORM == "linux":
+        can.append("memguard.install() and memguard run can route tensor memory to the arena")
+    else:
+        can.append("no in-process allocator on this layer (memguard.install needs the linux "
+                   "layer): steps split and recover from torch's out-of-memory errors")
+    if sample.get("footprint_bytes") is None:
+        can.append("a budget cannot be enforced without the footprint")
+    return ("layer", found, "; ".join(can))
+
+
 def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S,
            telemetry: str | None = None) -> list[Row]:
     """Examine this machine.
@@ -672,15 +708,14 @@ def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S,
         Rows of (item, what was found, what memguard can or cannot do with it).
     """
     sample, costs, err = take_sample()
+    linux = [psi_row(sample), cgroup_row(sample), thp_row(), overcommit_row(),
+             jemalloc_row()] if _C.PLATFORM == "linux" else []   # what only Linux has
     return [
         platform_row(),
+        layer_row(sample),
         memory_row(sample, err),
         swap_row(sample, err),
-        psi_row(sample),
-        cgroup_row(sample),
-        thp_row(),
-        overcommit_row(),
-        jemalloc_row(),
+        *linux,
         torch_row(torch_probe, torch_timeout),
         cuda_allocator_row(telemetry),
         sampler_row(costs, err),

@@ -27,6 +27,10 @@ def shim_path() -> str:
     Raises:
         FileNotFoundError: the package was installed without it.
     """
+    if _C.PLATFORM != "linux":
+        raise FileNotFoundError(
+            f"memguard run preloads {SHIM}, which only the linux platform layer builds "
+            f"(LD_PRELOAD and ELF symbol interposition); this build's layer is {_C.PLATFORM}")
     here = os.path.dirname(os.path.abspath(_C.__file__))   # the package's root
     path = os.path.join(here, SHIM)
     if not os.path.exists(path):

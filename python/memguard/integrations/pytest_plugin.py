@@ -84,7 +84,7 @@ from memguard._common import size, unwritable
 from memguard.memory import arena
 from memguard.memory.gc_hooks import GcHooks
 from memguard.telemetry import parse_budget
-from memguard.train.peaks import RssPeak
+from memguard.train.peaks import process_peak
 
 try:
     import resource
@@ -222,7 +222,7 @@ class MemguardPlugin:
         self.sampler: Any = None
         self.records: list[dict[str, Any]] = []
         self._pending: dict[str, tuple[dict[str, Any], _Window]] = {}   # by nodeid
-        self._rss = RssPeak()
+        self._rss = process_peak()
         self._lock = threading.Lock()          # guards the open window's level
         self._open: _Window | None = None
         self._gc: Any = None                   # the session's GcHooks (with the sampler)

@@ -242,7 +242,8 @@ class Guard:
 
     @property
     def peak_source(self) -> str:
-        """Where peak bytes come from: "arena", "cuda", "rss" (or "none")."""
+        """Where peak bytes come from: "arena", "cuda", "rss", "footprint" (macOS)
+        (or "none")."""
         return self.boundary.peak.source
 
     # -- the step ---------------------------------------------------------------------

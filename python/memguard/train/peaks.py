@@ -1,17 +1,20 @@
 """A step's peak memory, from the best source there is: memguard's arena when
 it serves tensors, the CUDA allocator for CUDA batches, else the process's
-peak RSS (``VmHWM`` of ``/proc/self/status``, reset through
-``/proc/self/clear_refs``).
+own peak: on Linux its peak RSS (``VmHWM`` of ``/proc/self/status``, reset
+through ``/proc/self/clear_refs``), on macOS its peak footprint
+(``proc_pid_rusage``'s ``ri_interval_max_phys_footprint``, reset by
+``proc_reset_footprint_interval``).
 
-:class:`RssPeak` is the one reader of the RSS high-water mark (the pytest
-plugin uses it too); :class:`PeakMeter` picks the source per step. Importing
-this module does not import torch.
+:func:`process_peak` gives the one reader of the process's peak for this
+system (the pytest plugin uses it too); :class:`PeakMeter` picks the source
+per step. Importing this module does not import torch.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
-from typing import Any
+from typing import Any, Union
 
 from memguard import _C
 from memguard.memory import arena
@@ -73,6 +76,52 @@ class RssPeak:
             self.close()
 
 
+class FootprintPeak:
+    """macOS's peak footprint: what Activity Monitor shows (compressed pages
+    included), its high-water mark reset per step. The reset is libproc's
+    ``proc_reset_footprint_interval``, which the SDK's public headers do not
+    declare: it is looked up at run time, and without it (or off macOS)
+    the peak is unknown, as :class:`RssPeak`'s is without ``/proc``."""
+
+    #: rusage_info_v4 (<sys/resource.h>): a 16-byte UUID, then 35 uint64 fields
+    FLAVOR_V4, SIZE_V4 = 4, 16 + 35 * 8
+    FOOTPRINT_AT, INTERVAL_MAX_AT = 16 + 7 * 8, 16 + 33 * 8   # ri_phys_footprint, its peak
+
+    def __init__(self, libc: Any = None) -> None:
+        if libc is None and sys.platform == "darwin":
+            libc = ctypes.CDLL(None)
+        self._usage = getattr(libc, "proc_pid_rusage", None)
+        self._reset = getattr(libc, "proc_reset_footprint_interval", None)
+
+    def reset_peak(self) -> bool:
+        """Set the peak to the current footprint; whether it could be."""
+        return self._reset is not None and self._reset(os.getpid()) == 0
+
+    def read(self) -> tuple[int | None, int | None]:
+        """(footprint, its peak since the reset) in bytes, ``None`` where
+        unreadable."""
+        if self._usage is None:
+            return None, None
+        buf = ctypes.create_string_buffer(self.SIZE_V4)
+        if self._usage(os.getpid(), self.FLAVOR_V4, buf) != 0:
+            return None, None
+        now = int.from_bytes(buf.raw[self.FOOTPRINT_AT:self.FOOTPRINT_AT + 8], sys.byteorder)
+        peak = int.from_bytes(buf.raw[self.INTERVAL_MAX_AT:self.INTERVAL_MAX_AT + 8],
+                              sys.byteorder)
+        return now, (peak if self._reset is not None else None)
+
+    def close(self) -> None:
+        """Nothing is held open."""
+
+
+ProcessPeak = Union[RssPeak, FootprintPeak]
+
+
+def process_peak() -> ProcessPeak:
+    """The reader of this process's own peak on this system."""
+    return FootprintPeak() if sys.platform == "darwin" else RssPeak()
+
+
 def _open_or_none(path: str, flags: int) -> int | None:
     try:
         return os.open(path, flags)
@@ -94,7 +143,7 @@ def _kib_field(text: bytes, name: bytes) -> int | None:
 class PeakMeter:
     """Measures one step's peak bytes: :meth:`start` before it, :meth:`stop`
     after; :attr:`source` says where the figure came from ("arena", "cuda",
-    "rss", or "none" before the first step).
+    "rss", "footprint" on macOS, or "none" before the first step).
 
     Args:
         arena_key: the arena counter read as the peak (the finder reads
@@ -104,7 +153,7 @@ class PeakMeter:
     def __init__(self, arena_key: str = "allocated_bytes.peak") -> None:
         self.source = "none"
         self._arena_key = arena_key
-        self._rss = RssPeak()
+        self._rss = process_peak()
         self._device: Any = None
         self._index = 0
         self._memguard_cuda = False
@@ -121,7 +170,7 @@ class PeakMeter:
             self.source = "arena"
             _C.arena_reset_peaks()
             return int(_C.arena_stats()["allocated_bytes.current"])
-        self.source = "rss"
+        self.source = "footprint" if isinstance(self._rss, FootprintPeak) else "rss"
         if not self._rss.reset_peak():
             return 0
         return self._rss.read()[0] or 0
@@ -146,6 +195,6 @@ class PeakMeter:
             return int(sys.modules["torch"].cuda.max_memory_allocated(self._device))
         if self.source == "arena":
             return int(_C.arena_stats()[self._arena_key])
-        if self.source == "rss":
+        if self.source in ("rss", "footprint"):
             return self._rss.read()[1] or 0
         return 0
