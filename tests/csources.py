@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,6 +22,12 @@ _SETUP = _setup()
 LAYERS = tuple(_SETUP.LAYERS)
 #: the macOS layer's pure part, which compiles anywhere (its Mach calls do not)
 DARWIN_PURE = ROOT / "csrc" / "platform" / "darwin" / "vmstat.c"
+
+
+#: the layers whose C compiles on this system: Linux's needs Linux; the
+#: fallback and macOS's pure part build anywhere POSIX
+BUILDABLE = ("linux", "posix", "darwin") if sys.platform.startswith("linux") \
+    else ("posix", "darwin")
 
 
 def layer_sources(layer: str) -> list[pathlib.Path]:

@@ -66,6 +66,28 @@ def test_rising_retries_are_high_once_each():
     assert s.sample_now().cuda_new_retries == 0
 
 
+def test_a_new_governor_starts_from_its_own_baseline():
+    """Retries counted before a governor existed are not thrashing it saw:
+    a governor without a sampler judges its first push against nothing but
+    itself, whatever another governor pushed before (found on a GPU, where
+    an earlier test's retries made a later governor's first push HIGH)."""
+    def rec(retries: int) -> dict:
+        return {"memory_stats": {"allocated_bytes.all.current": GIB,
+                                 "reserved_bytes.all.current": 2 * GIB,
+                                 "num_alloc_retries": retries},
+                "mem_get_info": [70 * GIB, 80 * GIB]}
+
+    first = Replay([rec(0)])
+    a = Governor(0, memory_stats=first.memory_stats, mem_get_info=first.mem_get_info)
+    assert a.push() is Level.OK
+    later = Replay([rec(40), rec(40), rec(43)])     # 40 retries happened meanwhile
+    b = Governor(0, memory_stats=later.memory_stats, mem_get_info=later.mem_get_info)
+    levels = [b.push()]
+    while later.advance():
+        levels.append(b.push())
+    assert levels == [Level.OK, Level.OK, Level.HIGH]  # only its own rise counts
+
+
 def test_budget_thresholds_against_allocated():
     """Allocated bytes against a 10 GiB CUDA budget: 50 % OK, 85 %
     ELEVATED, 92 % HIGH, 98 % CRITICAL (the budget thresholds), back to OK."""

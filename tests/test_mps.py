@@ -137,3 +137,32 @@ def test_without_mps_it_says_so():
 
 def _refuse(*_: object) -> None:
     raise AssertionError("nothing is applied or emptied here")
+
+
+def test_a_guard_steers_by_the_mps_governor():
+    """Given as mps=, the governor's level counts at each step boundary as a
+    CUDA governor's does: m1_16gb's reading at its error (CRITICAL) after a
+    calm one shrinks the next step's micro-batch (the steps themselves run
+    on the CPU here)."""
+    import torch
+
+    import memguard
+
+    at = reading_from_oom(RECORDED["m1_16gb"])
+    calm = MpsReading(GIB, GIB, at.recommended_bytes)       # scaled down, not recorded
+    gov = MpsGovernor(read=replay([calm, calm, calm, at]), set_fraction=_refuse,
+                      empty_cache=lambda: None)
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes = []
+    with memguard.Guard(budget=None, allocator=False, mps=gov, grow_after=100) as guard:
+        assert guard.cuda_governor is gov
+        for _ in range(3):
+            sizes.append(guard.step(torch.randn(64, 8), lambda b: model(b).sum(), opt).micro_batch)
+    assert sizes[0] == sizes[1] == 64 and sizes[2] < 64, sizes
+    assert gov.level is Level.CRITICAL
+    with pytest.raises(ValueError, match="mps must be None or a memguard.mps.MpsGovernor, "
+                                         "not 'yes'"):
+        memguard.Guard(mps="yes")
+    with pytest.raises(ValueError, match="give mps= or the CUDA options"):
+        memguard.Guard(mps=gov, cuda_budget="50%")

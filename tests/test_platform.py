@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import sys
 
 import pytest
 
@@ -12,9 +13,9 @@ from memguard.cli import doctor
 from tests.conftest import ROOT
 
 SETUP = runpy.run_path(str(ROOT / "setup.py"), run_name="setup")
-#: the layer `make test` built this run's extension with (MEMGUARD_PLATFORM
-#: for the posix run of the portable tests)
-EXPECTED = os.environ.get("MEMGUARD_PLATFORM") or "linux"
+#: the layer `make test` built this run's extension with: this system's, or
+#: MEMGUARD_PLATFORM's (the posix run of the portable tests)
+EXPECTED = os.environ.get("MEMGUARD_PLATFORM") or SETUP["platform_layer"](sys.platform, None)
 
 
 def test_this_build_is_the_layer_asked_for():
@@ -93,3 +94,18 @@ def test_what_needs_the_linux_layer_says_so_elsewhere():
     s = memguard.sample()
     assert s.rss_bytes is None and s.footprint_bytes is None and s.psi_some_avg10 is None
     assert s.minor_faults is not None and s.mem_total_bytes is not None   # getrusage, sysconf
+
+
+def test_the_build_variable_is_not_reported_as_an_unknown_option(monkeypatch):
+    import warnings
+
+    from memguard import _options
+
+    monkeypatch.setenv("MEMGUARD_PLATFORM", "posix")
+    monkeypatch.setenv("MEMGUARD_NO_SUCH_OPTION", "1")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _options.warn_about_environment()
+    said = [str(w.message) for w in seen]
+    assert any(m.startswith("MEMGUARD_NO_SUCH_OPTION is not a memguard option") for m in said)
+    assert not any("MEMGUARD_PLATFORM" in m.split(";")[0] for m in said)

@@ -155,6 +155,9 @@ void mgi_sources_forget(mgi_sources_t *src);
 
 /* ---- the sample (sample.c): what every platform layer shares ------------ */
 
+/* Clear *src, close nothing, and copy the roots: every layer's
+ * mgi_sources_open starts here. EINVAL for roots that do not fit. */
+int mgi_sources_begin(mgi_sources_t *src, const char *proc_root, const char *cgroup_root);
 /* Per-second rate of a counter; a counter that went backwards reads 0. */
 double mgi_rate(uint64_t prev, uint64_t cur, double seconds);
 /* Zero *s, set size/version, and mark every rate and fraction NaN (absent). */

@@ -1,10 +1,23 @@
-/* The sample's platform-independent parts: its initial state, the arena's
- * counters, and the rates between two samples of one sampler. */
+/* What every platform layer shares: the sources' common start, the sample's
+ * initial state, the arena's counters, and the rates between two samples of
+ * one sampler. */
+#include <errno.h>
 #include <math.h>
 #include <string.h>
 
 #include "memguard/memguard-arena.h"
 #include "mgi.h"
+
+int mgi_sources_begin(mgi_sources_t *src, const char *proc_root, const char *cgroup_root)
+{
+    memset(src, 0, sizeof(*src));
+    for (int i = 0; i < MGI_SRC_COUNT; i++)
+        src->fd[i] = -1;
+    if (mgi_join(src->proc_root, sizeof(src->proc_root), proc_root, NULL, NULL) ||
+        mgi_join(src->cgroup_root, sizeof(src->cgroup_root), cgroup_root, NULL, NULL))
+        return EINVAL;
+    return 0;
+}
 
 double mgi_rate(uint64_t prev, uint64_t cur, double seconds)
 {

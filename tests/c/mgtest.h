@@ -160,6 +160,19 @@ static inline unsigned long long mgt_rand(void)
 
 /* The documented pressure defaults with calm_samples = calm, spelled out so
  * a MEMGUARD_* variable in the environment cannot change what tests mean. */
+/* A thread waiting on a sampler with no timeout (mg_sampler_wait's result). */
+typedef struct mgt_waiter {
+    mg_sampler_t *s;
+    int wake, rc;
+} mgt_waiter_t;
+
+static inline void *mgt_wait_forever(void *arg)
+{
+    mgt_waiter_t *w = arg;
+    w->rc = mg_sampler_wait(w->s, -1, &w->wake);
+    return NULL;
+}
+
 static inline mg_pressure_opts_t mgt_pressure_opts(uint32_t calm)
 {
     mg_pressure_opts_t o = {

@@ -61,18 +61,6 @@ static void test_no_inprocess_allocator(void)
     CHECK_EQ(swapped, 0);
 }
 
-typedef struct waiter {
-    mg_sampler_t *s;
-    int rc, wake;
-} waiter_t;
-
-static void *wait_forever(void *arg)
-{
-    waiter_t *w = arg;
-    w->rc = mg_sampler_wait(w->s, -1, &w->wake);
-    return NULL;
-}
-
 /* The sampler on pipes: its thread samples and stops, wakes are neither lost
  * nor doubled, a wait in another thread ends at a wake, and rates come from
  * getrusage's counters. */
@@ -94,9 +82,9 @@ static void test_sampler_on_pipes(void)
     CHECK_EQ(w, MG_WAKE_USER);
     CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
     CHECK_EQ(w, 0);
-    waiter_t wt = {s, -1, -1};
+    mgt_waiter_t wt = {s, -1, -1};
     pthread_t th;
-    CHECK_EQ(pthread_create(&th, NULL, wait_forever, &wt), 0);
+    CHECK_EQ(pthread_create(&th, NULL, mgt_wait_forever, &wt), 0);
     sleep_ms(20);
     CHECK_EQ(mg_sampler_wake(s), 0);
     pthread_join(th, NULL);

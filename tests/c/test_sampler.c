@@ -418,18 +418,6 @@ static void test_start_stop(void)
     mg_sampler_destroy(s);
 }
 
-typedef struct waiter {
-    mg_sampler_t *s;
-    int wake, rc;
-} waiter_t;
-
-static void *wait_forever(void *arg)
-{
-    waiter_t *w = arg;
-    w->rc = mg_sampler_wait(w->s, -1, &w->wake);
-    return NULL;
-}
-
 /* Wait until the bits in want arrive (other bits may come along). */
 static int wait_for(mg_sampler_t *s, int want, int timeout_ms)
 {
@@ -461,9 +449,9 @@ static void test_wait_and_wake(void)
     CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
     CHECK_EQ(w, 0);
     /* a wake from another thread ends a wait without a timeout */
-    waiter_t wt = {s, 0, -1};
+    mgt_waiter_t wt = {s, -1, -1};
     pthread_t th;
-    CHECK_EQ(pthread_create(&th, NULL, wait_forever, &wt), 0);
+    CHECK_EQ(pthread_create(&th, NULL, mgt_wait_forever, &wt), 0);
     sleep_ms(20);
     CHECK_EQ(mg_sampler_wake(s), 0);
     pthread_join(th, NULL);

@@ -62,7 +62,8 @@ def build(target: str) -> pathlib.Path:
     if cc is None:
         raise RuntimeError("no clang on PATH (Debian: apt-get install clang)")
     exe = BUILD / f"fuzz_{target}"
-    sources = [HERE / f"fuzz_{target}.c", *layer_sources("linux")]
+    layer = "linux" if sys.platform.startswith("linux") else "posix"
+    sources = [HERE / f"fuzz_{target}.c", *layer_sources(layer)]
     inputs = [*sources, *(ROOT / "csrc" / "core").glob("*.h"),
               *(ROOT / "include" / "memguard").glob("*.h")]
     if exe.exists() and all(p.stat().st_mtime <= exe.stat().st_mtime for p in inputs):

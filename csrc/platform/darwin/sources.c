@@ -22,11 +22,7 @@ typedef struct darwin_state {
 
 int mgi_sources_open(mgi_sources_t *src, const char *proc_root, const char *cgroup_root)
 {
-    memset(src, 0, sizeof(*src));
-    for (int i = 0; i < MGI_SRC_COUNT; i++)
-        src->fd[i] = -1;
-    if (mgi_join(src->proc_root, sizeof(src->proc_root), proc_root, NULL, NULL) ||
-        mgi_join(src->cgroup_root, sizeof(src->cgroup_root), cgroup_root, NULL, NULL))
+    if (mgi_sources_begin(src, proc_root, cgroup_root))
         return EINVAL;
     /* host_statistics64 counts kernel pages, which a Rosetta process's
      * getpagesize() does not give */

@@ -11,11 +11,7 @@
 
 int mgi_sources_open(mgi_sources_t *src, const char *proc_root, const char *cgroup_root)
 {
-    memset(src, 0, sizeof(*src));
-    for (int i = 0; i < MGI_SRC_COUNT; i++)
-        src->fd[i] = -1;
-    if (mgi_join(src->proc_root, sizeof(src->proc_root), proc_root, NULL, NULL) ||
-        mgi_join(src->cgroup_root, sizeof(src->cgroup_root), cgroup_root, NULL, NULL))
+    if (mgi_sources_begin(src, proc_root, cgroup_root))
         return EINVAL;
     long page = sysconf(_SC_PAGESIZE);
     src->page_size = page > 0 ? (uint64_t)page : 0;

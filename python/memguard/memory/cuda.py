@@ -271,6 +271,7 @@ class Governor:
         self._fraction_set = False
         self._allocator: str | None = None   # resolved at install
         self.ooms_observed: list[dict[str, int]] = []
+        self._model: Any = None
         self.last: dict[str, Any] | None = None
         self.level = Level.OK
 
@@ -394,11 +395,21 @@ class Governor:
         if self._live:
             self._follow_device()
         c = self.counters()
-        sampler = self.sampler if self.sampler is not None else _private_sampler()
+        sampler = self.sampler if self.sampler is not None else self._model_sampler()
         self.level = sampler.push_cuda(c)
         self.last = c
         self._advise(c)
         return self.level
+
+    def _model_sampler(self) -> Any:
+        """This governor's own never-started sampler, whose pressure model
+        judges its pushes when it has no sampler (its own: a baseline of
+        retries is one governor's, never another's)."""
+        if self._model is None:
+            from memguard.telemetry.sampler import Sampler
+
+            self._model = Sampler(interval_ms=1000)
+        return self._model
 
     def _advise(self, c: Mapping[str, int]) -> None:
         """Once: recommend expandable_segments where fragmentation shows:
@@ -450,20 +461,6 @@ def govern(budget: str | int | None = None, device: Any = "cuda") -> Governor:
         raise RuntimeError("no CUDA device here (torch.cuda.is_available() is False): "
                            "there is no CUDA allocator to govern")
     return gov.install()
-
-
-_private: Any = None
-
-
-def _private_sampler() -> Any:
-    """A sampler that is never started: its pressure model judges pushes
-    for governors that have no sampler of their own."""
-    global _private
-    if _private is None:
-        from memguard.telemetry.sampler import Sampler
-
-        _private = Sampler(interval_ms=1000)
-    return _private
 
 
 # -- recorded traces ------------------------------------------------------------

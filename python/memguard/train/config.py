@@ -88,6 +88,9 @@ class GuardConfig:
             the first step after CUDA was initialised, or at install when
             ``cuda_budget`` is given); ``False``: none; a
             :class:`memguard.cuda.Governor`: that one.
+        mps: a :class:`memguard.mps.MpsGovernor` for Apple's GPU, whose
+            level counts at every step boundary as a CUDA governor's does
+            (``None``: none; not with a CUDA governor).
     """
 
     budget: Any = "auto"
@@ -110,6 +113,7 @@ class GuardConfig:
     ddp_overlap: bool = False
     cuda_budget: str | int | None = None
     cuda: Any = None
+    mps: Any = None
     #: the budget asked for in bytes (``None``: none, or ``"auto"``)
     user_budget_bytes: int | None = dataclasses.field(init=False, default=None)
     #: ``tensor_budget`` in bytes
@@ -139,6 +143,13 @@ class GuardConfig:
         if not (self.cuda is None or self.cuda is False or isinstance(self.cuda, Governor)):
             raise ValueError(f"cuda must be None, False or a memguard.cuda.Governor, "
                              f"not {self.cuda!r}")
+        from memguard.memory.mps import MpsGovernor
+
+        if not (self.mps is None or isinstance(self.mps, MpsGovernor)):
+            raise ValueError(f"mps must be None or a memguard.mps.MpsGovernor, not {self.mps!r}")
+        if self.mps is not None and (self.cuda not in (None, False) or self.cuda_budget):
+            raise ValueError("a guard steers one device's allocator: give mps= or the CUDA "
+                             "options (cuda=, cuda_budget=), not both")
 
     @classmethod
     def default_budget(cls) -> str:

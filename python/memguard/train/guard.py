@@ -218,7 +218,8 @@ class Guard:
 
     @property
     def cuda_governor(self) -> Any:
-        """The CUDA governor in use (``None`` until CUDA is)."""
+        """The device governor in use: the CUDA one (``None`` until CUDA is),
+        or the MPS one given as ``mps=``."""
         return self.signals.governor
 
     @property

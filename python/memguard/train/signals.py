@@ -20,6 +20,7 @@ from memguard import _C
 from memguard._common import size
 from memguard._options import MemguardConfigWarning
 from memguard.memory.cuda import Governor
+from memguard.memory.mps import MpsGovernor
 from memguard.telemetry.events import Event
 from memguard.telemetry.exporters import open_exporter
 from memguard.telemetry.sampler import Sampler
@@ -44,7 +45,7 @@ class Signals:
         self.sampler: Sampler | None = config.sampler
         self._own_sampler = False
         #: the CUDA governor in use (None until CUDA is)
-        self.governor: Governor | None = None
+        self.governor: Governor | MpsGovernor | None = None
         self._own_governor = False
         self._running = False
         self._lock = threading.Lock()   # guards the four fields below
@@ -80,8 +81,11 @@ class Signals:
                 f"holds, so the budget of {size(budget)} is not enforced; steps still split "
                 f"and recover from out-of-memory errors", MemguardConfigWarning, stacklevel=4)
         torch = sys.modules.get("torch")
-        if isinstance(c.cuda, Governor) or (c.cuda is None and c.cuda_budget is not None
-                                            and torch is not None and torch.cuda.is_available()):
+        if c.mps is not None:
+            self.governor, self._own_governor = c.mps.install(), False
+        elif isinstance(c.cuda, Governor) or (c.cuda is None and c.cuda_budget is not None
+                                              and torch is not None and
+                                              torch.cuda.is_available()):
             self._start_governor()
 
     def uninstall(self) -> None:
