@@ -122,7 +122,10 @@ void mgi_sources_read(mgi_sources_t *src, mg_sample_t *s, int urgent)
 
 void mgi_sources_forget(mgi_sources_t *src)
 {
-    (void)src; /* no descriptors; the state is plain memory the child may keep */
+    /* no descriptors; the last reading is the parent's, and the next open
+     * (after a fork) makes a fresh state, so this one goes */
+    free(src->layer);
+    src->layer = NULL;
 }
 
 void mgi_sources_close(mgi_sources_t *src)
