@@ -44,7 +44,7 @@ class Signals:
         self._own_exporter = False
         self.sampler: Sampler | None = config.sampler
         self._own_sampler = False
-        #: the CUDA governor in use (None until CUDA is)
+        #: the device governor in use: CUDA's (None until CUDA is), or the MPS one given
         self.governor: Governor | MpsGovernor | None = None
         self._own_governor = False
         self._running = False
