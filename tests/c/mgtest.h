@@ -7,10 +7,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "memguard/memguard.h"
@@ -160,6 +162,12 @@ static inline unsigned long long mgt_rand(void)
 
 /* The documented pressure defaults with calm_samples = calm, spelled out so
  * a MEMGUARD_* variable in the environment cannot change what tests mean. */
+static inline void mgt_sleep_ms(int ms)
+{
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
 /* A thread waiting on a sampler with no timeout (mg_sampler_wait's result). */
 typedef struct mgt_waiter {
     mg_sampler_t *s;
@@ -171,6 +179,33 @@ static inline void *mgt_wait_forever(void *arg)
     mgt_waiter_t *w = arg;
     w->rc = mg_sampler_wait(w->s, -1, &w->wake);
     return NULL;
+}
+
+/* The wake contract of a stopped sampler, whatever its notifiers: nothing
+ * pending is a timeout with no bits; wakes before a wait are not lost and
+ * are consumed once (two make one); a wake from another thread ends a wait
+ * without a timeout. */
+static inline void mgt_check_wakes(mg_sampler_t *s)
+{
+    int w = -1;
+    CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
+    CHECK_EQ(w, 0);
+    CHECK_EQ(mg_sampler_wait(s, 30, &w), 0);
+    CHECK_EQ(w, 0);
+    CHECK_EQ(mg_sampler_wake(s), 0);
+    CHECK_EQ(mg_sampler_wake(s), 0);
+    CHECK_EQ(mg_sampler_wait(s, 1000, &w), 0);
+    CHECK_EQ(w, MG_WAKE_USER);
+    CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
+    CHECK_EQ(w, 0);
+    mgt_waiter_t wt = {s, -1, -1};
+    pthread_t th;
+    CHECK_EQ(pthread_create(&th, NULL, mgt_wait_forever, &wt), 0);
+    mgt_sleep_ms(20);
+    CHECK_EQ(mg_sampler_wake(s), 0);
+    pthread_join(th, NULL);
+    CHECK_EQ(wt.rc, 0);
+    CHECK_EQ(wt.wake, MG_WAKE_USER);
 }
 
 static inline mg_pressure_opts_t mgt_pressure_opts(uint32_t calm)

@@ -14,12 +14,6 @@
 
 static const uint64_t SEEN = MG_HAVE_FAULTS | MG_HAVE_RSS_PEAK | MG_HAVE_MEMINFO;
 
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
 /* Exactly what the layer can see, and nothing it cannot, even where /proc
  * is there to be read. */
 static void test_sources_see_what_posix_shows(void)
@@ -61,9 +55,8 @@ static void test_no_inprocess_allocator(void)
     CHECK_EQ(swapped, 0);
 }
 
-/* The sampler on pipes: its thread samples and stops, wakes are neither lost
- * nor doubled, a wait in another thread ends at a wake, and rates come from
- * getrusage's counters. */
+/* The sampler on pipes: the wake contract, its thread samples and stops,
+ * and rates come from getrusage's counters. */
 static void test_sampler_on_pipes(void)
 {
     mg_pressure_opts_t o = mgt_pressure_opts(3);
@@ -73,28 +66,12 @@ static void test_sampler_on_pipes(void)
     CHECK_EQ(mg_sampler_create(&cfg, &s), 0);
     if (!s)
         return;
-    int w = -1;
-    CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
-    CHECK_EQ(w, 0);
-    CHECK_EQ(mg_sampler_wake(s), 0);
-    CHECK_EQ(mg_sampler_wake(s), 0); /* twice before a wait: one wake */
-    CHECK_EQ(mg_sampler_wait(s, 1000, &w), 0);
-    CHECK_EQ(w, MG_WAKE_USER);
-    CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
-    CHECK_EQ(w, 0);
-    mgt_waiter_t wt = {s, -1, -1};
-    pthread_t th;
-    CHECK_EQ(pthread_create(&th, NULL, mgt_wait_forever, &wt), 0);
-    sleep_ms(20);
-    CHECK_EQ(mg_sampler_wake(s), 0);
-    pthread_join(th, NULL);
-    CHECK_EQ(wt.rc, 0);
-    CHECK_EQ(wt.wake, MG_WAKE_USER);
+    mgt_check_wakes(s);
 
     CHECK_EQ(mg_sampler_start(s), 0);
     mg_sample_t l = {0};
     for (int i = 0; i < 3000 && (mg_sampler_latest(s, &l) != 0 || l.seq < 3); i++)
-        sleep_ms(1);
+        mgt_sleep_ms(1);
     CHECK(l.seq >= 3);
     CHECK_EQ(l.have & ~(uint64_t)MG_HAVE_RATES, SEEN);
     CHECK(l.have & MG_HAVE_RATES);

@@ -43,19 +43,13 @@ static mg_sampler_t *make(const char *scenario, uint32_t interval_us, uint32_t r
     return rc ? NULL : s;
 }
 
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
 /* Wait until the sampler has published a sample with seq >= min_seq. */
 static int wait_seq(mg_sampler_t *s, uint64_t min_seq, int timeout_ms, mg_sample_t *out)
 {
     for (int waited = 0; waited <= timeout_ms; waited++) {
         if (mg_sampler_latest(s, out) == 0 && out->seq >= min_seq)
             return 0;
-        sleep_ms(1);
+        mgt_sleep_ms(1);
     }
     return ETIMEDOUT;
 }
@@ -181,7 +175,7 @@ static void test_scenarios(void)
         CHECK_EQ(mg_sampler_sample_now(s, &a), 0);
         check_sample(&scenarios[i], &a);
         /* the second sample has rates: nothing moved in the files */
-        sleep_ms(2);
+        mgt_sleep_ms(2);
         CHECK_EQ(mg_sampler_sample_now(s, &b), 0);
         CHECK_EQ(b.seq, 2);
         CHECK(b.have & MG_HAVE_RATES);
@@ -437,26 +431,7 @@ static void test_wait_and_wake(void)
     if (!s)
         return;
     int w = -1;
-    /* nothing pending: a timeout, reported as no bits */
-    CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
-    CHECK_EQ(w, 0);
-    CHECK_EQ(mg_sampler_wait(s, 30, &w), 0);
-    CHECK_EQ(w, 0);
-    /* a wake before the wait is not lost, and is consumed once */
-    CHECK_EQ(mg_sampler_wake(s), 0);
-    CHECK_EQ(mg_sampler_wait(s, 1000, &w), 0);
-    CHECK_EQ(w, MG_WAKE_USER);
-    CHECK_EQ(mg_sampler_wait(s, 0, &w), 0);
-    CHECK_EQ(w, 0);
-    /* a wake from another thread ends a wait without a timeout */
-    mgt_waiter_t wt = {s, -1, -1};
-    pthread_t th;
-    CHECK_EQ(pthread_create(&th, NULL, mgt_wait_forever, &wt), 0);
-    sleep_ms(20);
-    CHECK_EQ(mg_sampler_wake(s), 0);
-    pthread_join(th, NULL);
-    CHECK_EQ(wt.rc, 0);
-    CHECK_EQ(wt.wake, MG_WAKE_USER);
+    mgt_check_wakes(s);
 
     /* sample notifications only when asked for */
     CHECK_EQ(mg_sampler_start(s), 0);
