@@ -1,25 +1,21 @@
-"""The C core's sources by platform layer, as setup.py builds them, for the
-C tests and the fuzz targets (which compile the core themselves)."""
+"""setup.py's platform layers for the tests: the C core's sources by layer,
+as setup.py builds them, for the C tests and the fuzz targets (which
+compile the core themselves), and setup.py's names for the platform
+tests."""
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+import runpy
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _setup():
-    spec = importlib.util.spec_from_file_location("memguard_setup", ROOT / "setup.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_SETUP = _setup()
+#: setup.py's names (its setup() runs only as __main__)
+SETUP = runpy.run_path(str(ROOT / "setup.py"), run_name="setup")
 #: the layer a C test builds with, by the prefix of its name (test_posix_*.c);
 #: every other test builds with the Linux layer
-LAYERS = tuple(_SETUP.LAYERS)
+LAYERS = tuple(SETUP["LAYERS"])
 #: the macOS layer's pure part, which compiles anywhere (its Mach calls do not)
 DARWIN_PURE = ROOT / "csrc" / "platform" / "darwin" / "vmstat.c"
 
@@ -35,7 +31,7 @@ def layer_sources(layer: str) -> list[pathlib.Path]:
     part, the one that can be built here."""
     if layer == "darwin":
         return [*layer_sources("posix"), DARWIN_PURE]
-    return [ROOT / f for f in _SETUP.layer_sources(layer)]
+    return [ROOT / f for f in SETUP["layer_sources"](layer)]
 
 
 def layer_of(name: str) -> str:

@@ -3,16 +3,14 @@ gets, and a clear message instead of a compiler error where there is none."""
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 
 import pytest
 
 from memguard import _C
 from memguard.cli import doctor
-from tests.conftest import ROOT
+from tests.csources import SETUP
 
-SETUP = runpy.run_path(str(ROOT / "setup.py"), run_name="setup")
 #: the layer `make test` built this run's extension with: this system's, or
 #: MEMGUARD_PLATFORM's (the posix run of the portable tests)
 EXPECTED = os.environ.get("MEMGUARD_PLATFORM") or SETUP["platform_layer"](sys.platform, None)

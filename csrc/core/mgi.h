@@ -3,8 +3,10 @@
 #ifndef MEMGUARD_MGI_H
 #define MEMGUARD_MGI_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "memguard/memguard.h"
 
@@ -195,8 +197,6 @@ void mgi_note_close(mgi_note_t *n);
 int mgi_note_wait(const mgi_note_t *n, int64_t timeout_ns);
 
 /* ---- threads (the layer's thread.c) -------------------------------------- */
-#include <pthread.h>
-#include <time.h>
 /* The CPU clock of @p thread for clock_gettime; 0 or errno (ENOTSUP where the
  * system has no such clocks). */
 int mgi_thread_cpu_clock(pthread_t thread, clockid_t *clock);

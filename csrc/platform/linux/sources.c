@@ -453,7 +453,6 @@ static void fill_slow(const mgi_sources_t *src, mg_sample_t *s)
             s->have |= MG_HAVE_STATUS;
             s->rss_bytes = c->status.rss_bytes;
         }
-        s->have |= MG_HAVE_RSS_PEAK;
         s->rss_peak_bytes = c->status.hwm_bytes;
         if (c->status.have_swap) {
             s->have |= MG_HAVE_SWAP;
