@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 
 import pytest
 
@@ -43,11 +44,13 @@ def one_thread():
 WIDE = 16    # hidden width; the optimizer tests widen it to make the update's bytes count
 
 
-def make(kind: str, wide: int = WIDE, norm: bool = True):
+def make(kind: str, wide: int = WIDE, norm: bool = True, square: bool = False):
     """A small MLP (with BatchNorm, whose buffers a rolled-back step must
-    restore; without, where a split must equal the unsplit step)."""
+    restore; without, where a split must equal the unsplit step); ``square``
+    adds a ``wide`` x ``wide`` layer (parameters far larger than activations)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, wide),
+                                torch.nn.Linear(wide, wide) if square else torch.nn.Identity(),
                                 torch.nn.BatchNorm1d(wide) if norm else torch.nn.Identity(),
                                 torch.nn.ReLU(), torch.nn.Linear(wide, 3))
     if kind.startswith("adamw"):
@@ -68,9 +71,9 @@ def loss_of(model):
     return lambda b: F.cross_entropy(model(b[0]), b[1])
 
 
-def reference(kind: str, micro: int, wide: int = WIDE) -> tuple:
+def reference(kind: str, micro: int, wide: int = WIDE, square: bool = False) -> tuple:
     """The uninterrupted run: every batch stepped once at ``micro``."""
-    model, opt = make(kind, wide)
+    model, opt = make(kind, wide, square=square)
     g = Guard(budget=None, micro_batch=micro, allocator=False)
     for b in batches():
         g.step(b, loss_of(model), opt, restore=[model])
@@ -126,6 +129,16 @@ def ops_of_a_step(kind: str, first: bool, wide: int = WIDE) -> int:
     return counter.count
 
 
+def count_steps(opt, calls: list) -> None:
+    """Log each call of ``opt.step`` in ``calls``."""
+    real = opt.step
+
+    def step(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+    opt.step = step
+
+
 def fail_step(opt, at: int, times: int) -> list:
     """Make the next ``times`` calls of ``opt.step`` run out of memory at
     their operation ``at``; returns the list the failures are logged in."""
@@ -146,56 +159,221 @@ def fail_step(opt, at: int, times: int) -> list:
 KINDS = ["adamw-foreach", "adamw-single", "sgd-foreach", "sgd-single"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("which", ["first", "later"])
-@pytest.mark.parametrize("times", [1, 2])
-def test_oom_in_the_optimizer_step(arena, kind, which, times):
-    """Under a budget that leaves the update less than three times what it
-    touches, an out-of-memory error at an operation in the middle of the
-    update (after some of it was applied): once, the step is rolled back,
-    memory relieved, and the step tried again; twice, OptimizerOOMError
-    names the size and the step is rolled back whole; the user redoes the
-    batch. The run ends as the uninterrupted one."""
-    wide = 512                         # 0.5 MB of parameters, a MB of AdamW state
-    want = state_of(*reference(kind, 8, wide))
-    ops = ops_of_a_step(kind, first=which == "first", wide=wide)
-    at = max(2, ops // 2)
-    model, opt = make(kind, wide)
+def run_with_fault(kind: str, fault_step: int, room_of, fault=None, wide: int = 512,
+                   square: bool = False):
+    """The reference run of ``kind`` whose step ``fault_step`` has its
+    update under a budget that leaves it ``room_of(needed, backup)`` bytes
+    (``None``: no budget), set once the gradients are there, and
+    ``fault(opt)`` armed (see :func:`fail_step`); redone as a user would (a
+    rolled-back step again, the budget lifted) until it commits. Returns
+    (errors raised at that step, the state before it, the model, the
+    optimizer); an error that was not rolled back ends the run there."""
+    model, opt = make(kind, wide, square=square)
     g = Guard(budget=None, micro_batch=8, allocator=False)
-    fault_step = 0 if which == "first" else 2
-    i = 0
-    errors = []
-    data = batches()
-    while i < len(data):
-        if i == fault_step and not errors:
-            before = state_of(model, opt)
-            fail_step(opt, at, times)
-            needed, _ = footprint_with_grads(model, opt)
+    errors, before, data, i = [], None, batches(), 0
+
+    def tighten(optimizer):
+        needed, backup = need_and_backup(g, opt)
+        room = room_of(needed, backup)
+        if room is not None:
+            gc.collect()                         # no garbage for a relief to find
             st = allocator.stats()
-            allocator.set_budget(st["reserved_bytes.current"] - st["cached_bytes"] + 2 * needed)
+            allocator.set_budget(st["reserved_bytes.current"] - st["cached_bytes"] + room)
+
+    while i < len(data):
+        hook = None
+        if i == fault_step and not errors:
+            before, hook = state_of(model, opt), tighten
+            if fault is not None:
+                fault(opt)
         try:
-            g.step(data[i], loss_of(model), opt, restore=[model])
+            g.step(data[i], loss_of(model), opt, restore=[model], before_optimizer_step=hook)
         except OptimizerOOMError as exc:
             errors.append(exc)
-            assert exc.needed_bytes > 0 and size(exc.needed_bytes) in str(exc)
+            allocator.set_budget(None)
+            if not exc.rolled_back:
+                return errors, before, model, opt
             assert_same(state_of(model, opt), before, rtol=0)   # exactly as before
             assert all(p.grad is None for p in model.parameters())
             continue                                           # the user redoes the batch
         allocator.set_budget(None)
         i += 1
-    assert len(errors) == (times - 1)
+    return errors, before, model, opt
+
+
+def need_and_backup(g, opt) -> tuple[int, int]:
+    """What the next optimizer step allocates as the guard reckons it, and
+    the bytes of its backup (parameters and the state they have)."""
+    from memguard.train.transaction import footprint
+    params = [p for grp in opt.param_groups for p in grp["params"] if p.grad is not None]
+    needed, _, _ = g.update_need.of(opt, params)
+    written, _ = footprint(opt)
+    fresh = sum(2 * p.nbytes for p in params if not opt.state.get(p))
+    return needed, written - fresh
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("times", [1, 2])
+def test_an_oom_part_way_through_a_backed_up_update_is_rolled_back(arena, kind, times):
+    """The first step (state created) with room for the update and its
+    backup but short of twice the update: a backup is taken, and an
+    out-of-memory error in the middle of the update (after some of it was
+    written) puts it back. Once: relieved and tried again; twice:
+    OptimizerOOMError, rolled back whole, and the user redoes the batch.
+    The run ends as the uninterrupted one."""
+    # every tensor a large block: freed, it is cached, and the room counts
+    # it (a block of a slab, 256 KiB and less, is neither)
+    wide = 65536
+    want = state_of(*reference(kind, 8, wide))
+    at = max(2, ops_of_a_step(kind, first=True, wide=wide) // 2)
+    errors, _, model, opt = run_with_fault(
+        kind, 0, lambda needed, backup: (backup + 3 * needed) // 2,   # mid-band
+        lambda opt: fail_step(opt, at, times), wide=wide)
+    assert [e.rolled_back for e in errors] == [True] * (times - 1), [str(e) for e in errors]
     assert_same(state_of(model, opt), want)
 
 
-def footprint_with_grads(model, opt) -> tuple[int, int]:
-    """What the next optimizer step touches: every parameter given a
-    gradient for the count (and none again after)."""
-    from memguard.train.transaction import footprint
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    out = footprint(opt)
-    opt.zero_grad(set_to_none=True)
-    return out
+@pytest.mark.parametrize("kind", ["adamw-foreach", "adamw-single"])
+def test_an_update_that_cannot_fit_is_never_begun(arena, kind):
+    """A later step whose update (measured at the steps before) is larger
+    than the room the budget leaves, relieved or not: it is refused before
+    it begins, with everything as before, by a real refusal of the budget,
+    and the message says what it needs, what was held and the budget.
+    The user raises the budget and the run ends as the uninterrupted one."""
+    want = state_of(*reference(kind, 8, 2048, square=True))
+    errors, _, model, opt = run_with_fault(kind, 2, lambda needed, backup: needed // 2,
+                                           wide=2048, square=True)
+    assert len(errors) == 1 and errors[0].rolled_back and errors[0].__cause__ is None
+    e = errors[0]
+    assert e.budget_bytes and e.held_bytes and e.needed_bytes > e.room_bytes
+    assert e.held_bytes + e.room_bytes == e.budget_bytes
+    for figure in (e.needed_bytes, e.held_bytes, e.budget_bytes, e.room_bytes):
+        assert size(figure) in str(e)
+    assert_same(state_of(model, opt), want)
+
+
+@pytest.mark.parametrize("kind", ["adamw-single", "sgd-single"])
+@pytest.mark.parametrize("which", ["first", "later"])
+def test_an_oom_at_any_operation_of_a_for_loop_update_without_a_backup(kind, which):
+    """No budget, so no backup. An out-of-memory error at each operation of
+    a for-loop update in turn: before the update wrote a parameter or a
+    state tensor it had (version counters tell), the state it created is
+    dropped and it is retried once, and the run ends as the uninterrupted
+    one; after, it cannot be undone, and it is never called again on top of
+    itself (the bug this guards against: a double update reported as a
+    normal step). (The fault is injected by a TorchDispatchMode, under
+    which torch's foreach in-place operations do not count versions:
+    foreach updates are swept by a real budget below.)"""
+    step = 0 if which == "first" else 2
+    want = state_of(*reference(kind, 8))
+    after = committed_after(kind, step)
+    outcomes = set()
+    for at in range(1, ops_of_a_step(kind, first=which == "first") + 1):
+        calls: list = []
+
+        def fault(opt, at=at, calls=calls):
+            fail_step(opt, at, 1)
+            count_steps(opt, calls)
+
+        errors, before, model, opt = run_with_fault(kind, step, lambda n, b: None, fault,
+                                                    wide=WIDE)
+        outcomes.add(check_outcome(errors, before, after, model, opt, want, calls))
+    assert outcomes == {"undone", "not undone"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_first_update_under_any_room_commits_or_is_undone_or_says_it_is_not(arena, kind):
+    """Adam's or SGD's first step (its state created) under a real budget
+    that leaves the update a room from none to all it needs, in 24 steps:
+    the update commits, or is rolled back exactly, or (out of memory
+    part-way, with no room for a backup) says it could not be rolled back
+    and was never run twice."""
+    want = state_of(*reference(kind, 8, 512))
+    after = committed_after(kind, 0, 512)
+    outcomes = set()
+    for k in range(24):
+        calls: list = []
+        errors, before, model, opt = run_with_fault(
+            kind, 0, lambda needed, backup, k=k: needed * k // 20,
+            lambda opt: count_steps(opt, calls), wide=512)
+        outcomes.add(check_outcome(errors, before, after, model, opt, want, calls))
+    assert "undone" in outcomes
+
+
+def check_outcome(errors, before, after, model, opt, want, calls: list) -> str:
+    """A step that met a fault ended rolled back (and the run, redone, as
+    the uninterrupted one), or not, saying so, and then its update ran once
+    (``calls``): for a for-loop update, every parameter with its state at
+    their values before the step (state just created, or not yet recorded,
+    counts as before) or after one update, but the one whose update the
+    error stopped half-way (a foreach update writes every parameter at
+    each of its operations)."""
+    if not errors or errors[-1].rolled_back:
+        assert_same(state_of(model, opt), want)
+        return "undone"
+    assert "could NOT be rolled back" in str(errors[-1])
+    assert len(calls) == 1                 # never run again on top of itself
+    if opt.defaults["foreach"]:
+        return "not undone"
+    (_, ob), (_, oa) = before, after
+    now = opt.state_dict()["state"]
+
+    def same(a, b):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+    def close(a, b):
+        return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-6, atol=1e-8)
+
+    neither = []
+    for i, (p, b, a) in enumerate(zip(model.parameters(), before_params(before),
+                                      before_params(after))):
+        st, was, then = now.get(i, {}), ob["state"].get(i), oa["state"][i]
+        at_before = same(p, b) and all(
+            same(v, was[k]) if was else not torch.as_tensor(v).any() for k, v in st.items())
+        at_after = close(p, a) and all(close(v, then[k]) for k, v in st.items())
+        if not (at_before or at_after):
+            neither.append(i)
+    assert len(neither) <= 1, neither
+    return "not undone"
+
+
+def before_params(state: tuple) -> list:
+    return [v for k, v in state[0].items() if not k.endswith(("running_mean", "running_var",
+                                                              "num_batches_tracked"))]
+
+
+def committed_after(kind: str, step: int, wide: int = WIDE) -> tuple:
+    """The state after step ``step`` of the uninterrupted run."""
+    model, opt = make(kind, wide)
+    g = Guard(budget=None, micro_batch=8, allocator=False)
+    for b in batches()[:step + 1]:
+        g.step(b, loss_of(model), opt, restore=[model])
+    return state_of(model, opt)
+
+
+def test_an_optimizer_outside_torch_optim_is_not_retried_blind():
+    """An optimizer of a third party may write through ``.data``, which no
+    version counter sees: after an out-of-memory error in its update
+    without a backup, memguard does not call it again, and says it could
+    not roll the step back."""
+    class DataSGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            for g in self.param_groups:
+                for i, p in enumerate(g["params"]):
+                    if i == 2:
+                        raise RuntimeError(OOM)
+                    p.data.add_(p.grad, alpha=-g["lr"])
+
+    model, _ = make("sgd-single")
+    opt = DataSGD(model.parameters())
+    g = Guard(budget=None, micro_batch=8, allocator=False)
+    with pytest.raises(OptimizerOOMError, match="not one of torch.optim's") as got:
+        g.step(batches(1)[0], loss_of(model), opt)
+    assert not got.value.rolled_back and g.steps == 0 and opt.calls == 1
 
 
 def test_adam_first_step_state_is_never_half_made():
@@ -317,7 +495,7 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
     def plain():
         model, opt = make("adamw-foreach", norm=False)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
-        hook = _dino_like(model, opt, model[3], clip=0.05)
+        hook = _dino_like(model, opt, model[-1], clip=0.05)
         for x, y in data:
             with autocast():
                 loss = F.cross_entropy(model(x), y)
@@ -338,7 +516,7 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
         model, opt = make("adamw-foreach", norm=False)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
         g = Guard(budget=None, micro_batch=micro, allocator=False)
-        last = [p.detach().clone() for p in model[3].parameters()]
+        last = [p.detach().clone() for p in model[-1].parameters()]
 
         def loss_fn(b):
             with autocast():
@@ -346,8 +524,8 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
 
         for b in data:
             g.step(b, loss_fn, opt, scaler=scaler, restore=[model],
-                   before_optimizer_step=_dino_like(model, opt, model[3], clip=0.05))
-        assert all(torch.equal(p, q) for p, q in zip(model[3].parameters(), last))   # frozen
+                   before_optimizer_step=_dino_like(model, opt, model[-1], clip=0.05))
+        assert all(torch.equal(p, q) for p, q in zip(model[-1].parameters(), last))   # frozen
         return model, opt
 
     assert_same(state_of(*guarded()), state_of(*plain()))

@@ -31,6 +31,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ from memguard.train.distributed import Peers
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
 from memguard.train.step import GuardOOMError, Output, StepArgs, StepResult, Transaction, infer  # noqa: F401
+from memguard.train.transaction import Need
 
 log = logging.getLogger("memguard")
 
@@ -61,33 +63,48 @@ _active: Guard | None = None      # the installed guard of this process
 class _OneLoop:
     """A guard serves one training loop: a step or an inference from a
     second thread, while one runs, would interleave two transactions over
-    one planner and one model. Refused, naming the thread that runs."""
+    one planner and one model. Refused, naming the thread that runs.
+
+    Each step or inference under way is an entry, held weakly: an entry
+    lives exactly as long as the ``with`` block that made it, so an
+    interrupt that lands anywhere (even in ``__exit__``, before it could
+    deregister) cannot leave the loop taken."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: threading.Thread | None = None
-        self._depth = 0
+        self._lock = threading.Lock()      # guards the check-and-add of an entry
+        self._entries: weakref.WeakSet[_Entry] = weakref.WeakSet()
 
-    @contextlib.contextmanager
-    def enter(self, what: str) -> Iterator[None]:
+    def enter(self, what: str) -> _Entry:
+        return _Entry(self, what)
+
+    def _add(self, entry: _Entry) -> None:
         me = threading.current_thread()
         with self._lock:
-            if self._owner is not None and self._owner is not me:
+            live = list(self._entries)
+            other = next((e.thread for e in live if e.thread is not me), None)
+            if other is not None:
                 raise RuntimeError(
-                    f"Guard.{what}() was called from thread {me.name!r} while thread "
-                    f"{self._owner.name!r} runs a step of the same guard: a guard serves one "
+                    f"Guard.{entry.what}() was called from thread {me.name!r} while thread "
+                    f"{other.name!r} runs a step of the same guard: a guard serves one "
                     f"training loop; call it from one thread, or give each loop its own process")
-            if what == "step" and self._depth:
+            if entry.what == "step" and live:
                 raise RuntimeError("Guard.step() was called from inside a step of the same "
                                    "guard (from loss_fn or a hook): steps do not nest")
-            self._owner, self._depth = me, self._depth + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if not self._depth:
-                    self._owner = None
+            self._entries.add(entry)
+
+
+class _Entry:
+    """One step or inference under way (see :class:`_OneLoop`)."""
+
+    def __init__(self, loop: _OneLoop, what: str) -> None:
+        self.loop, self.what = loop, what
+        self.thread = threading.current_thread()
+
+    def __enter__(self) -> None:
+        self.loop._add(self)
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop._entries.discard(self)
 
 
 class Guard:
@@ -132,6 +149,8 @@ class Guard:
         self._peers: Peers | None = None
         self._peers_checked = False
         self._warned: set[str] = set()   # restore buffers warned about
+        #: what each optimizer's updates allocate, learnt at each update
+        self.update_need = Need()
         self._evaluating = 0
         self._loop = _OneLoop()
         self.installed = False

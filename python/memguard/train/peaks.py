@@ -187,6 +187,23 @@ class PeakMeter:
         torch.cuda.reset_peak_memory_stats(device)
         return int(torch.cuda.memory_allocated(device))
 
+    def now(self) -> tuple[int, int] | None:
+        """(what the source holds now, its peak since :meth:`start`) where
+        the source counts tensors (the arena, a CUDA device), else ``None``.
+        Nothing is reset: a part of the step measured between two readings
+        is known exactly when it raised the peak."""
+        if self.source == "arena":
+            st = _C.arena_stats()
+            return int(st[self._arena_key.replace(".peak", ".current")]), int(st[self._arena_key])
+        if self.source != "cuda":
+            return None
+        if self._memguard_cuda:
+            st = _C.cuda_stats(self._index)
+            return int(st["allocated_bytes.current"]), int(st["allocated_bytes.peak"])
+        torch = sys.modules["torch"]
+        return int(torch.cuda.memory_allocated(self._device)), \
+            int(torch.cuda.max_memory_allocated(self._device))
+
     def stop(self) -> int:
         """The peak since :meth:`start` (0 where unknown)."""
         if self.source == "cuda":

@@ -16,7 +16,6 @@ before any gradient leaves a rank (see :mod:`memguard.train.distributed`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import warnings
@@ -32,6 +31,8 @@ from memguard.train import batch as _batch
 from memguard.train.accumulation import Accumulator
 from memguard.train.distributed import PeerOOM, Peers
 from memguard.train.gradcache import gradcache_backward
+from memguard.train.interrupts import held
+from memguard.train.snapshot import PreStepUndo, Snapshot
 from memguard.train.transaction import PostStepError, check_finite, optimizer_step, reset_scaler
 
 if TYPE_CHECKING:
@@ -125,64 +126,6 @@ def unpack(out: Any) -> tuple[torch.Tensor, Any, Any]:
                     f"'loss', or an object with .loss (memguard.Output), not {type(out)!r}")
 
 
-class Snapshot:
-    """State a failed attempt may have changed: buffers of the modules in
-    ``restore``, listed tensors, objects with ``state_dict``, and the RNG."""
-
-    def __init__(self, restore: Any) -> None:
-        items = restore if isinstance(restore, (list, tuple)) else (restore,)
-        self._saved: list[tuple[str, Any, Any]] = []
-        self._named: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # watched buffers
-        with torch.no_grad():
-            for obj in items:
-                if isinstance(obj, torch.nn.Module):
-                    bufs = [b for b in obj.buffers() if b is not None]
-                    saved = [b.clone() for b in bufs]
-                    self._saved.append(("buffers", bufs, saved))
-                    self._watch(obj, dict(zip(map(id, bufs), saved)))
-                elif isinstance(obj, torch.Tensor):
-                    self._saved.append(("tensor", obj, obj.clone()))
-                elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-                    self._saved.append(("state", obj, copy.deepcopy(obj.state_dict())))
-                else:
-                    raise TypeError("restore= takes modules (their buffers), tensors, or "
-                                    "objects with state_dict/load_state_dict, not "
-                                    f"{type(obj).__name__}")
-        self._rng = torch.get_rng_state()
-        self._cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def _watch(self, module: torch.nn.Module, saved: dict[int, torch.Tensor]) -> None:
-        """Buffers whose change in a forward pass means an update per
-        micro-batch: all but normalisation statistics (BatchNorm's differ
-        with the split by design)."""
-        for mname, m in module.named_modules():
-            if isinstance(m, torch.nn.modules.batchnorm._NormBase):
-                continue
-            for bname, b in m.named_buffers(recurse=False):
-                if b is not None and id(b) in saved:
-                    name = f"{type(module).__name__}.{mname + '.' if mname else ''}{bname}"
-                    self._named.append((name, b, saved[id(b)]))
-
-    def changed(self) -> list[str]:
-        """Names of watched buffers that differ from what they were."""
-        with torch.no_grad():
-            return [n for n, b, s in self._named if b.shape != s.shape or not torch.equal(b, s)]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for kind, obj, saved in self._saved:
-                if kind == "buffers":
-                    for b, s in zip(obj, saved):
-                        b.copy_(s)
-                elif kind == "tensor":
-                    obj.copy_(saved)
-                else:
-                    obj.load_state_dict(copy.deepcopy(saved))
-        torch.set_rng_state(self._rng)
-        if self._cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self._cuda_rng)
-
-
 @dataclasses.dataclass
 class StepArgs:
     """What :meth:`memguard.Guard.step` was given (see there)."""
@@ -209,19 +152,6 @@ class StepArgs:
 
 
 @dataclasses.dataclass
-class Done:
-    """A committed step: its loss, the size it finished at, its
-    micro-batches and weight, the aux of its micro-batches, the sizes that
-    ran out of memory."""
-    loss: float
-    micro: int
-    n_micro: int
-    weight: float
-    aux: list
-    tried: list[int]
-
-
-@dataclasses.dataclass
 class _Redo:
     """Out of memory at ``failed``: redo the step at ``next`` (0: give up,
     ``cause`` the error; ``refused``: another rank cannot do the step). A
@@ -242,7 +172,8 @@ class Transaction:
         self.g, self.a, self.micro, self.peers = guard, args, micro, peers
         self.begun = begun                 # the boundary's plan, level and budget
         self.warned = warned               # restore buffers warned about, over the run
-        self.snapshot = Snapshot(args.restore)
+        self.snapshot: Snapshot | None = None    # taken after pre_step
+        self.pre_undo: PreStepUndo | None = None
         self.acc = Accumulator(guard.model, args.optimizer, scaler=args.scaler,
                                clip_grad_norm=args.clip_grad_norm, backward=args.backward,
                                before_optimizer_step=args.before_optimizer_step)
@@ -254,71 +185,120 @@ class Transaction:
         self.aux: list = []
         self._voted = False                # this attempt's gradients may have left the rank
         self._used_anywhere: list[bool] = []
+        self._rolled_back = False
 
     # -- the step ------------------------------------------------------------
     def run(self) -> StepResult:
-        """The step, committed and recorded, then ``post_step`` (an error
-        there says the step is done)."""
-        done = self._attempt_and_commit()
-        g, res = self.g, self._record(done)
-        if self.a.post_step is not None:
-            try:
-                self.a.post_step(res.aux)
-            except Exception as exc:   # after the commit: the step is done
-                g.signals.event(Event.POST_STEP_FAILED, step=g.steps - 1, error=repr(exc))
-                raise PostStepError(g.steps - 1) from exc
-        return res
-
-    def _attempt_and_commit(self) -> Done:
-        """Attempt until the micro-batches are done, then commit; whatever
-        ends it otherwise, roll back and re-raise."""
-        self.a.optimizer.zero_grad(set_to_none=True)
+        """The step: the attempts, which whatever ends rolls the step back;
+        then, with signals held (:mod:`memguard.train.interrupts`), the
+        commit, its count and ``post_step``. A signal that arrives meanwhile
+        is delivered after ``post_step``, and says the step was committed."""
+        committed = False
         try:
-            if self.a.pre_step is not None:
-                self.a.pre_step()
-            while (redo := self._attempt_or_redo()) is not None:
-                self._reset_attempt()          # out of the except block: its frames are gone
-                self._redo(redo)
-            if self.deferred:
-                self.peers.finish(self._used_anywhere)
-            n_micro, weight = self.acc.micro_batches, self.acc.weight
-            if n_micro > 1:
-                self._warn_changed_buffers()
-            loss = self._commit()
-        except BaseException:
-            self._roll_back()
+            self._begin()
+            self._attempts()
+            with held():
+                try:
+                    loss = self._commit()
+                except BaseException:
+                    self._roll_back()
+                    raise
+                committed = True
+                res = self._record(loss)
+                self._post_step(res)
+            return res
+        except BaseException as exc:
+            if committed:
+                if not isinstance(exc, PostStepError):
+                    exc.add_note(f"memguard: step {self.g.steps - 1} was committed and counted "
+                                 f"before this stopped it: do not redo it")
+            elif not self._rolled_back:
+                with held():
+                    self._roll_back()
             raise
-        return Done(loss, self.micro, n_micro, weight, self.aux, self.tried)
+        finally:
+            self._forget()
 
-    def _record(self, done: Done) -> StepResult:
-        """The committed step: the planner learns its peak, the guard counts
-        it, and its event records the planner's inputs (a recorded run
+    def _begin(self) -> None:
+        """Gradients zeroed (a step owns them), ``pre_step`` run once with
+        its writes recorded, then the snapshot a redo restores (so a redo
+        keeps what ``pre_step`` did, and a roll back undoes it)."""
+        a = self.a
+        a.optimizer.zero_grad(set_to_none=True)
+        if a.pre_step is not None:
+            self.pre_undo = PreStepUndo(self._known())
+            self.pre_undo.run(a.pre_step)
+        self.snapshot = Snapshot(a.restore)
+
+    def _known(self) -> list[torch.Tensor]:
+        """Tensors whose ``.data`` pre_step may reassign: the guard's model,
+        what ``restore=`` lists, the optimizer's parameters."""
+        out: list[torch.Tensor] = [p for g in self.a.optimizer.param_groups for p in g["params"]]
+        items = self.a.restore if isinstance(self.a.restore, (list, tuple)) else (self.a.restore,)
+        for m in (self.g.model, *items):
+            if isinstance(m, torch.nn.Module):
+                out += [*m.parameters(), *m.buffers()]
+            elif isinstance(m, torch.Tensor):
+                out.append(m)
+        return out
+
+    def _attempts(self) -> None:
+        """Attempt until the micro-batches are done (redoing the step
+        smaller after an out-of-memory error), and, deferred under DDP,
+        all-reduce the gradients."""
+        while (redo := self._attempt_or_redo()) is not None:
+            self._reset_attempt()          # out of the except block: its frames are gone
+            self._redo(redo)
+        if self.deferred:
+            self.peers.finish(self._used_anywhere)
+        if self.acc.micro_batches > 1:
+            self._warn_changed_buffers()
+
+    def _record(self, loss: float) -> StepResult:
+        """The committed step: the guard counts it, the planner learns its
+        peak, and its event records the planner's inputs (a recorded run
         replays through it)."""
         g, begun = self.g, self.begun
-        plan = g.planner.state() if done.tried else begun["plan"]   # the OOM's decision
-        aux = _batch.concat(done.aux) if done.aux else None
-        peak = g.boundary.end(done.micro)
+        step = g.steps
+        g.steps += 1                       # first: the count agrees with the commit
+        plan = g.planner.state() if self.tried else begun["plan"]   # the OOM's decision
+        aux = _batch.concat(self.aux) if self.aux else None
+        peak = g.boundary.end(self.micro)
         g.peak_bytes = max(g.peak_bytes, peak)
-        g.last = StepResult(loss=done.loss, micro_batch=done.micro, n_micro=done.n_micro,
-                            retries=len(done.tried), peak_bytes=peak, aux=aux,
-                            weight=done.weight, tried=done.tried)
-        g.signals.event(Event.STEP, step=g.steps, micro_batch=done.micro, n_micro=done.n_micro,
-                        retries=len(done.tried), peak_bytes=peak, loss=done.loss,
+        g.last = StepResult(loss=loss, micro_batch=self.micro, n_micro=self._n_micro,
+                            retries=len(self.tried), peak_bytes=peak, aux=aux,
+                            weight=self._weight, tried=self.tried)
+        g.signals.event(Event.STEP, step=step, micro_batch=self.micro, n_micro=self._n_micro,
+                        retries=len(self.tried), peak_bytes=peak, loss=loss,
                         action=plan["action"], reason=plan["reason"], batch=self.a.n,
                         level=begun["level"], planner_budget_bytes=begun["budget"],
                         floor_bytes=g.boundary.floor)
-        g.steps += 1
         return g.last
+
+    def _post_step(self, res: StepResult) -> None:
+        """``post_step`` with the step's aux; an error there says the step
+        is done."""
+        if self.a.post_step is None:
+            return
+        try:
+            self.a.post_step(res.aux)
+        except Exception as exc:   # after the commit: the step is done
+            self.g.signals.event(Event.POST_STEP_FAILED, step=self.g.steps - 1, error=repr(exc))
+            raise PostStepError(self.g.steps - 1) from exc
 
     def _commit(self) -> float:
         """The step's update: a finite loss (without a scaler: with one, the
         scaler skips non-finite steps itself), the hook and clipping, then
         the optimizer step as all or nothing. Returns the step's loss."""
-        if self.acc.scaler is None:
-            check_finite(self.acc.loss)
-        self.acc.prepare()
-        return optimizer_step(self.a.optimizer, self.acc.apply,
-                              lambda: self.g.gc.relieve("optimizer", force=True))
+        acc = self.acc
+        self._n_micro, self._weight = acc.micro_batches, acc.weight
+        if acc.scaler is None:
+            check_finite(acc.loss)
+        acc.prepare()
+        g = self.g
+        return optimizer_step(self.a.optimizer, acc.apply,
+                              lambda: g.gc.relieve("optimizer", force=True),
+                              need=g.update_need, meter=g.boundary.peak, scaler=acc.scaler)
 
     def _warn_changed_buffers(self) -> None:
         """Once per buffer: a ``restore`` buffer that a split step's forward
@@ -334,17 +314,31 @@ class Transaction:
                 f"or pre_step", UserWarning, stacklevel=4)
 
     def _roll_back(self) -> None:
-        """Nothing of the step survives: gradients, restored state, the
-        scaler's record of this step, DDP's state."""
-        self._reset_attempt()
+        """Nothing of the step survives: gradients, restored state, what
+        pre_step wrote, the scaler's record of this step, DDP's state."""
+        self._rolled_back = True
+        self.acc.reset()
+        if self.snapshot is not None:
+            self.snapshot.restore()
+        if self.pre_undo is not None:
+            self.pre_undo.undo()
+        if self.peers is not None:
+            self.peers.reset()
         if self.a.scaler is not None:
             reset_scaler(self.a.scaler, self.a.optimizer)
 
     def _reset_attempt(self) -> None:
+        """Before a redo: as at the step's first attempt (pre_step done)."""
         self.acc.reset()
         self.snapshot.restore()
         if self.peers is not None:
             self.peers.reset()
+
+    def _forget(self) -> None:
+        """Drop what the step kept for its own use, so that an error (whose
+        traceback holds this transaction) keeps none of it alive."""
+        self.snapshot = self.pre_undo = None
+        self.aux = []
 
     def _redo(self, redo: _Redo) -> None:
         """Give up, or get ready to redo the step at the smaller size."""

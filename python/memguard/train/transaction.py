@@ -1,37 +1,59 @@
-"""The commit of a guarded step: the optimizer step as all or nothing.
+"""The commit of a guarded step: the optimizer step, all or nothing where
+it can be, and never less able to finish than the plain loop's.
 
 After the micro-batches, :meth:`memguard.Guard.step` commits: the loss must
 be finite, then the ``before_optimizer_step`` hook and clipping run, then
-the optimizer steps. That last part can run out of memory too: Adam's
-first step creates its state (two tensors the size of each parameter), and
-every step's update allocates temporaries. An out-of-memory error there must
-neither leave half the parameters updated nor half of them with state (the
-next step would fail with ``KeyError: 'exp_avg'``).
+the optimizer steps. That last part can fail too: Adam's first step creates
+its state (two tensors the size of each parameter), and every step's update
+allocates temporaries; an optimizer hook may raise.
 
-:func:`optimizer_step` therefore takes a backup of what the update writes
-(the parameters that have gradients, and their state) when an
-out-of-memory error is possible, that is, when the room left under the
-budget is short of three times what the update touches (the update's
-temporaries are at most about twice it, foreach or not); on such an error
-it puts the backup back and forgets the state the step created, relieves
-memory and tries once more. When that fails too, :class:`OptimizerOOMError`
-names the size of what the optimizer needs, and everything is as before the
-step. With more room than that, or without a budget to pass, there is no
-backup (it would cost a copy of the parameters and their state every step),
-and an out-of-memory error drops the state the step created: exact for Adam
-and its kind (they create all of it before they update anything) and for
-foreach SGD; :class:`OptimizerOOMError` then says when the update had begun
-without a backup.
+:func:`optimizer_step` decides once per update, in this order:
+
+* **what the update allocates** (its *need*): the state it creates (twice
+  the size of each parameter that has none yet, as Adam's) and its
+  temporaries, measured at this optimizer's last update that raised the
+  step's peak (its peak above what was held before it: exact); before one
+  is measured, estimated as the larger of the parameters' size (a
+  ``foreach`` update) and twice the largest one (a for-loop update). An
+  update that stays below the forward's peak fits wherever the forward did;
+* **the room** the budget leaves (none without a budget to pass: then no
+  out-of-memory error is expected of it); when the room is short of the
+  need, memory is relieved first; when it still is, and the need was
+  measured (no state to create, the same parameters as last time), the
+  update cannot fit and is never begun: :class:`OptimizerOOMError`, with
+  everything as before the step;
+* **a backup** of what the update writes (the parameters with gradients,
+  their state, the AMP scaler's scale) is taken when an out-of-memory error
+  is possible (the room short of twice the need) and the backup fits beside
+  the need. It is never taken where it would crowd the update out: an update
+  that fits in a plain loop fits under memguard.
+
+Whatever ends the update, it is undone where that is exact: from the
+backup; or, without one, where the update had not begun (no parameter,
+state tensor or scale was written, as their version counters tell) by
+dropping the state it created. An out-of-memory error in an update undone
+so is retried once, after memory was relieved; an update that had begun is
+never run again on top of itself. One that had begun without a backup
+cannot be undone: :class:`OptimizerOOMError` (``rolled_back=False``), or
+the exception that stopped it with a note, says so.
+
+Version counters see every in-place operation, not writes through
+``.data`` (an optimizer outside ``torch.optim`` may write that way), nor
+those of foreach operations under a ``TorchDispatchMode`` (torch 2.13): an
+update of such an optimizer, or one begun under such a mode, that failed
+without a backup is never called not begun.
 """
 from __future__ import annotations
 
 import copy
 import math
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from memguard import _C
 from memguard._common import size
@@ -50,18 +72,42 @@ class NonFiniteLossError(ValueError):
 
 
 class OptimizerOOMError(RuntimeError):
-    """The optimizer step ran out of memory twice (the second time after
-    memory was relieved): the step was rolled back."""
+    """The optimizer step ran out of memory: rolled back after a second
+    try (``rolled_back``), or part-way through an update that could not be
+    undone.
 
-    def __init__(self, needed: int, state: int) -> None:
-        self.needed_bytes = needed
-        self.state_bytes = state
-        super().__init__(
-            f"the optimizer step ran out of memory, also after memory was relieved: it "
-            f"updates {size(needed)} of parameters and state ({size(state)} of it state, "
-            f"kept from now on), which this budget cannot hold besides the model; the step "
-            f"was rolled back (parameters, gradients, buffers and optimizer state as before "
-            f"it): raise the budget, or use an optimizer with less state")
+    Attributes:
+        needed_bytes: what the update allocates (state it creates and
+            temporaries), as memguard estimated it.
+        state_bytes: the state among it.
+        held_bytes: what was held where the budget counts (not cache).
+        budget_bytes: the budget (0: none).
+        room_bytes: what the budget left (``None``: no budget).
+        rolled_back: whether everything is as before the step.
+    """
+
+    def __init__(self, needed: int, state: int, held: int, budget: int, room: int | None,
+                 rolled_back: bool, why: str = "") -> None:
+        self.needed_bytes, self.state_bytes = needed, state
+        self.held_bytes, self.budget_bytes, self.room_bytes = held, budget, room
+        self.rolled_back = rolled_back
+        have = f"{size(held)} was held" + (
+            f" of a budget of {size(budget)}, which left room for {size(room)}"
+            if budget and room is not None else "")
+        needs = f"it allocates about {size(needed)}" + (
+            f" ({size(state)} of it new state)" if state else "")
+        if rolled_back:
+            super().__init__(
+                f"the optimizer step ran out of memory, also after memory was relieved: "
+                f"{needs}, while {have}; the step was rolled back (parameters, gradients, "
+                f"buffers and optimizer state as before it): raise the budget, hold less "
+                f"outside the step, or use an optimizer with less state")
+        else:
+            super().__init__(
+                f"the optimizer step ran out of memory part-way through its update "
+                f"({why}): {needs}, while {have}. The step could NOT be rolled back: "
+                f"parameters and optimizer state are partly updated; reload the last "
+                f"checkpoint")
 
 
 class PostStepError(RuntimeError):
@@ -75,8 +121,8 @@ class PostStepError(RuntimeError):
             "is the cause below)")
 
 
-def _tensors(state: dict) -> list[torch.Tensor]:
-    return [v for v in state.values() if isinstance(v, torch.Tensor)]
+def _tensors(state: dict | None) -> list[torch.Tensor]:
+    return [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
 
 
 def _touched(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -88,13 +134,11 @@ def footprint(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """(bytes the next optimizer step writes, bytes of state among them): the
     parameters with gradients and their state; a parameter without state
     yet is counted with twice its size of state to come (Adam's)."""
-    params = _touched(optimizer)
     total = state = 0
-    for p in params:
-        total += p.nbytes
+    for p in _touched(optimizer):
         st = optimizer.state.get(p)
         s = sum(t.nbytes for t in _tensors(st)) if st else 2 * p.nbytes
-        total += s
+        total += p.nbytes + s
         state += s
     return total, state
 
@@ -114,6 +158,19 @@ def _room(params: list[torch.Tensor]) -> int | None:
     return int(st["budget_bytes"] - st["reserved_bytes.current"] + st["cached_bytes"])
 
 
+def _held(params: list[torch.Tensor]) -> tuple[int, int]:
+    """(bytes held where the budget counts them, less cache; the budget, 0
+    for none), for messages."""
+    if params and params[0].is_cuda:
+        st = cuda.stats(params[0].device)
+        return int(st["reserved_bytes.current"] - st["cached_bytes"]), \
+            int(st.get("budget_bytes") or 0)
+    if arena.installed():
+        st = _C.arena_stats()
+        return int(st["reserved_bytes.current"] - st["cached_bytes"]), int(st["budget_bytes"])
+    return 0, 0
+
+
 def device_room(free: int, stats: dict[str, int]) -> int:
     """Bytes a CUDA device can still give: what the driver has free plus the
     allocator's cache, within the budget of memguard's allocator where it
@@ -125,33 +182,103 @@ def device_room(free: int, stats: dict[str, int]) -> int:
     return max(0, int(room))
 
 
-class _Backup:
-    """What an optimizer step writes, as it was: the parameters with
-    gradients, their state, and which of them had none."""
+def _scale_tensors(scaler: Any) -> list[torch.Tensor]:
+    """The AMP scaler's tensors an update writes (its scale and growth)."""
+    return [t for t in (getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None))
+            if isinstance(t, torch.Tensor)]
 
-    def __init__(self, optimizer: torch.optim.Optimizer, copy_tensors: bool) -> None:
-        params = _touched(optimizer)
+
+class Need:
+    """What an optimizer's updates allocate: the state an update creates,
+    plus temporaries learnt from the last update measured over the same
+    parameters (see the module docs). One per guard, over its optimizers."""
+
+    def __init__(self) -> None:
+        # optimizer -> (the parameters' count and bytes, temporaries measured)
+        self._temps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def of(self, optimizer: torch.optim.Optimizer,
+           params: list[torch.Tensor]) -> tuple[int, int, bool]:
+        """(bytes the update allocates, state among them, whether that was
+        measured: no state to create, and the same parameters as the update
+        measured last)."""
+        fresh = sum(2 * p.nbytes for p in params if not optimizer.state.get(p))
+        sizes = [p.nbytes for p in params] or [0]
+        learnt = self._temps.get(optimizer)
+        if learnt is not None and learnt[0] == (len(params), sum(sizes)):
+            return fresh + learnt[1], fresh, not fresh
+        return fresh + max(sum(sizes), 2 * max(sizes)), fresh, False
+
+    def learn(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+              peak_above: int, created: int) -> None:
+        """An update of ``params`` peaked ``peak_above`` bytes above what
+        was held before it, ``created`` of them state it keeps."""
+        self._temps[optimizer] = ((len(params), sum(p.nbytes for p in params)),
+                                  max(0, peak_above - created))
+
+
+class _Undo:
+    """How one update is undone: from a backup of what it writes, or by
+    dropping the state it created where it had not begun."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                 scaler: Any, backup: bool) -> None:
+        self.optimizer = optimizer
         self.fresh = [p for p in params if not optimizer.state.get(p)]
-        self.params: list[tuple[torch.Tensor, torch.Tensor]] = []
+        written = list(params) + _scale_tensors(scaler)
+        plain: list[tuple[dict, str, Any]] = []
+        for p in params:
+            st = optimizer.state.get(p) or {}
+            written += _tensors(st)
+            plain += [(st, k, copy.deepcopy(v)) for k, v in st.items()
+                      if not isinstance(v, torch.Tensor)]
+        self._versions = [(t, t._version) for t in written]
+        self._plain = plain
+        # versions count writes of torch.optim's updates, not under a
+        # dispatch mode (foreach operations skip them there)
+        self._trusted = type(optimizer).step.__module__.startswith("torch.") and \
+            not is_in_torch_dispatch_mode()
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.state: dict[torch.Tensor, dict] = {}
-        if not copy_tensors:
-            return
+        if backup:
+            self._take(params, scaler)
+
+    def _take(self, params: list[torch.Tensor], scaler: Any) -> None:
         with torch.no_grad():
-            self.params = [(p, p.detach().clone()) for p in params]
+            for t in list(params) + _scale_tensors(scaler):
+                self.saved.append((t, t.detach().clone()))
             for p in params:
-                st = optimizer.state.get(p)
+                st = self.optimizer.state.get(p)
                 if st:
                     self.state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor)
                                      else copy.deepcopy(v) for k, v in st.items()}
 
-    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+    @property
+    def backed_up(self) -> bool:
+        return bool(self.saved)
+
+    def written(self) -> int:
+        """How many parameters, state tensors and state values the update
+        wrote (0: it had not begun, as far as version counters see)."""
+        n = sum(t._version != v for t, v in self._versions)
+        return n + sum(k not in st or st[k] != v for st, k, v in self._plain)
+
+    def roll_back(self) -> bool:
+        """Undo the update; whether it could be (everything as before)."""
+        if self.backed_up:
+            self._restore()
+        elif self.written() or not self._trusted:
+            return False
         for p in self.fresh:
-            optimizer.state.pop(p, None)
+            self.optimizer.state.pop(p, None)
+        return True
+
+    def _restore(self) -> None:
         with torch.no_grad():
-            for p, saved in self.params:
-                p.copy_(saved)
+            for t, saved in self.saved:
+                t.copy_(saved)
             for p, saved in self.state.items():
-                live = optimizer.state[p]
+                live = self.optimizer.state[p]
                 for k, v in saved.items():
                     if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor) \
                             and live[k].shape == v.shape:
@@ -159,39 +286,91 @@ class _Backup:
                     else:
                         live[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
+    def why(self) -> str:
+        """Why it cannot be undone, in words."""
+        n = self.written()
+        if n:
+            return f"{n} of its parameters, state tensors and values were already written, " \
+                   f"and there was no room for a backup"
+        return f"{type(self.optimizer).__name__} is not one of torch.optim's, whose writes " \
+               f"memguard can see, and there was no room for a backup"
+
 
 def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
-                   relieve: Callable[[], Any]) -> float:
+                   relieve: Callable[[], Any], *, need: Need | None = None,
+                   meter: Any = None, scaler: Any = None) -> float:
     """Run ``apply`` (the optimizer step, through the scaler if any) as all
-    or nothing (see the module docs); ``relieve`` frees memory before the
-    second try.
+    or nothing where it can be (see the module docs).
+
+    Args:
+        optimizer: the optimizer ``apply`` steps.
+        apply: the step; returns the step's loss.
+        relieve: frees memory (before an update the room cannot hold, and
+            before the second try).
+        need: the guard's record of what updates allocate (learnt here).
+        meter: the step's :class:`~memguard.train.peaks.PeakMeter`, read
+            before and after the update to measure it.
+        scaler: the AMP scaler ``apply`` steps through.
 
     Raises:
-        OptimizerOOMError: out of memory twice; everything is as before.
+        OptimizerOOMError: out of memory twice (rolled back), or part-way
+            through an update that could not be undone.
+        BaseException: what stopped ``apply`` otherwise; everything is as
+            before the step, or a note on it says that it is not.
     """
-    needed, state = footprint(optimizer)
-    room = _room(_touched(optimizer))
+    need = need if need is not None else Need()
+    params = _touched(optimizer)
     for attempt in range(2):
-        try:
-            backup = _Backup(optimizer, copy_tensors=room is not None and room < 3 * needed)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            if attempt:
-                raise OptimizerOOMError(needed, state) from exc
+        needed, state, measured = need.of(optimizer, params)
+        room = _room(params)
+        if room is not None and room < needed:
             relieve()
-            continue
+            room = _room(params)
+        if measured and room is not None and room < needed:   # it cannot fit: never begin it
+            raise OptimizerOOMError(needed, state, *_held(params), room, rolled_back=True)
+        undo = _undo_for(optimizer, params, scaler, needed, room)
+        before = meter.now() if meter is not None else None
         try:
-            return apply()
-        except Exception as exc:
+            loss = apply()
+        except BaseException as exc:
+            undone = undo.roll_back()
+            why = "" if undone else undo.why()
+            del undo                           # no backup lives on in a traceback
             if not is_oom(exc):
+                if not undone:
+                    exc.add_note(f"memguard: the optimizer step stopped part-way through its "
+                                 f"update ({why}): the step could NOT be rolled back")
                 raise
-            backup.restore(optimizer)
-            del backup
-            if attempt:
-                raise OptimizerOOMError(needed, state) from exc
+            if attempt or not undone:
+                raise OptimizerOOMError(needed, state, *_held(params), _room(params), undone,
+                                        why) from exc
+        else:
+            after = meter.now() if before is not None else None
+            if after is not None and after[1] > before[1]:   # its own peak: exact
+                created = sum(sum(t.nbytes for t in _tensors(optimizer.state.get(p)))
+                              for p in undo.fresh)
+                need.learn(optimizer, params, after[1] - before[0], created)
+            return loss
         relieve()
     raise AssertionError("unreachable")
+
+
+def _undo_for(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], scaler: Any,
+              needed: int, room: int | None) -> _Undo:
+    """How the update will be undone: with a backup where an out-of-memory
+    error is possible (the room short of twice the need) and the backup
+    fits beside the need; else without."""
+    backup = False
+    if room is not None and room < 2 * needed:
+        written, _ = footprint(optimizer)
+        fresh = sum(2 * p.nbytes for p in params if not optimizer.state.get(p))
+        backup = room >= (written - fresh) + needed
+    try:
+        return _Undo(optimizer, params, scaler, backup)
+    except Exception as exc:                 # the room was read wrong: go on without one
+        if not is_oom(exc):
+            raise
+        return _Undo(optimizer, params, scaler, False)
 
 
 def check_finite(loss: float) -> None:

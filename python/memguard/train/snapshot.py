@@ -1,0 +1,176 @@
+"""What a step puts back when it is redone or rolled back, besides its
+gradients and the optimizer's update.
+
+* :class:`Snapshot`: what ``restore=`` lists (modules' buffers, tensors,
+  objects with ``state_dict``) and the RNG, as they were when the attempts
+  began. A module's buffers are kept by name: a forward that reassigns one
+  (``self.seen = self.seen + n``, a queue rebuilt with ``torch.cat``, DINO's
+  center) leaves the module holding a new tensor, and the snapshot puts the
+  original one back, with its values.
+* :class:`PreStepUndo`: what ``pre_step`` wrote (MoCo's momentum update of
+  the key encoder), whether or not ``restore=`` lists it. A redone step
+  keeps it (the snapshot is taken after ``pre_step``); a rolled-back step
+  undoes it. Writes are recorded as ``pre_step`` makes them: before an
+  operation writes a tensor in place for the first time, the tensor's
+  storage is copied; a ``.data`` that ``pre_step`` reassigns is seen on the
+  tensors memguard knows (the guard's model, ``restore=`` and the
+  optimizer's parameters), whose old data it keeps. Its cost: a copy of
+  what ``pre_step`` writes, until the step ends, and a Python call per
+  operation inside ``pre_step``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Snapshot:
+    """State a failed attempt may have changed: buffers of the modules in
+    ``restore``, listed tensors, objects with ``state_dict``, and the RNG."""
+
+    def __init__(self, restore: Any) -> None:
+        items = restore if isinstance(restore, (list, tuple)) else (restore,)
+        # (owner module, name in it, qualified name, the buffer, its values)
+        self._buffers: list[tuple[torch.nn.Module, str, str, torch.Tensor, torch.Tensor]] = []
+        self._watched: list[int] = []      # indices into _buffers: warned about when changed
+        self._saved: list[tuple[Any, Any]] = []
+        with torch.no_grad():
+            for obj in items:
+                if isinstance(obj, torch.nn.Module):
+                    self._take_module(obj)
+                elif isinstance(obj, torch.Tensor):
+                    self._saved.append((obj, obj.detach().clone()))
+                elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+                    self._saved.append((obj, copy.deepcopy(obj.state_dict())))
+                else:
+                    raise TypeError("restore= takes modules (their buffers), tensors, or "
+                                    "objects with state_dict/load_state_dict, not "
+                                    f"{type(obj).__name__}")
+        self.rng = Rng()
+
+    def _take_module(self, module: torch.nn.Module) -> None:
+        """Its buffers by name; all but normalisation statistics (BatchNorm's
+        differ with the split by design) are watched."""
+        for mname, m in module.named_modules():
+            norm = isinstance(m, torch.nn.modules.batchnorm._NormBase)
+            for bname, b in m._buffers.items():
+                if b is None:
+                    continue
+                name = f"{type(module).__name__}.{mname + '.' if mname else ''}{bname}"
+                if not norm:
+                    self._watched.append(len(self._buffers))
+                self._buffers.append((m, bname, name, b, b.detach().clone()))
+
+    def changed(self) -> list[str]:
+        """Names of watched buffers that differ from what they were, in
+        value or in identity (reassigned)."""
+        out = []
+        with torch.no_grad():
+            for i in self._watched:
+                m, bname, name, b, saved = self._buffers[i]
+                now = m._buffers.get(bname)
+                if now is not b or now.shape != saved.shape or not torch.equal(now, saved):
+                    out.append(name)
+        return out
+
+    def restore(self) -> None:
+        """Everything as it was when the snapshot was taken (allocating
+        nothing for modules' buffers and listed tensors)."""
+        with torch.no_grad():
+            for m, bname, _, b, saved in self._buffers:
+                if m._buffers.get(bname) is not b:
+                    m._buffers[bname] = b
+                _copy_back(b, saved)
+            for obj, saved in self._saved:
+                if isinstance(obj, torch.Tensor):
+                    _copy_back(obj, saved)
+                else:
+                    obj.load_state_dict(copy.deepcopy(saved))
+        self.rng.restore()
+
+
+def _copy_back(t: torch.Tensor, saved: torch.Tensor) -> None:
+    if t.shape != saved.shape:             # resized in place
+        t.resize_(saved.shape)
+    t.copy_(saved)
+
+
+class Rng:
+    """The CPU generator's state, and every CUDA device's where CUDA is
+    initialised (reading it would initialise it otherwise)."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+class PreStepUndo:
+    """``pre_step`` run once, with what it writes recorded so that
+    :meth:`undo` can put it back (see the module docs).
+
+    Args:
+        known: tensors whose ``.data`` ``pre_step`` may reassign.
+    """
+
+    def __init__(self, known: Iterable[torch.Tensor]) -> None:
+        self.rng = Rng()
+        self._data = [(t, t.data) for t in _unique(known)]
+        self._storages: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def run(self, pre_step: Callable[[], Any]) -> None:
+        with _WriteLog(self._storages):
+            pre_step()
+
+    def undo(self) -> None:
+        """Everything ``pre_step`` wrote, and the RNG, as before it."""
+        with torch.no_grad():
+            for storage, saved in self._storages.values():
+                storage.copy_(saved)
+            for t, old in self._data:
+                if t.data_ptr() != old.data_ptr() or t.shape != old.shape or \
+                        t.dtype != old.dtype or t.device != old.device:
+                    t.data = old
+        self.rng.restore()
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+class _WriteLog(TorchDispatchMode):
+    """Copies each storage an operation is about to write in place, the
+    first time (its schema marks the argument written: ``Tensor(a!)``)."""
+
+    def __init__(self, storages: dict) -> None:
+        super().__init__()
+        self.storages = storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    self._keep(t)
+        return func(*args, **kwargs)
+
+    def _keep(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in self.storages and storage.nbytes():
+            self.storages[key] = (storage, storage.clone())
