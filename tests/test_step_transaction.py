@@ -44,15 +44,30 @@ def one_thread():
 WIDE = 16    # hidden width; the optimizer tests widen it to make the update's bytes count
 
 
-def make(kind: str, wide: int = WIDE, norm: bool = True, square: bool = False):
+class Bank(torch.nn.Module):
+    """Adds the mean of ``n`` parameters, in two tensors, to its input:
+    parameters (and so an optimizer's temporaries) far larger than the
+    step's activations, and than the backward's temporaries (one
+    gradient's at a time)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(n // 2) * 0.01)
+        self.b = torch.nn.Parameter(torch.randn(n // 2) * 0.01)
+
+    def forward(self, x):
+        return x + self.a.mean() + self.b.mean()
+
+
+def make(kind: str, wide: int = WIDE, norm: bool = True, bank: int = 0):
     """A small MLP (with BatchNorm, whose buffers a rolled-back step must
-    restore; without, where a split must equal the unsplit step); ``square``
-    adds a ``wide`` x ``wide`` layer (parameters far larger than activations)."""
+    restore; without, where a split must equal the unsplit step), and a
+    :class:`Bank` of ``bank`` parameters where given."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, wide),
-                                torch.nn.Linear(wide, wide) if square else torch.nn.Identity(),
                                 torch.nn.BatchNorm1d(wide) if norm else torch.nn.Identity(),
-                                torch.nn.ReLU(), torch.nn.Linear(wide, 3))
+                                torch.nn.ReLU(), torch.nn.Linear(wide, 3),
+                                Bank(bank) if bank else torch.nn.Identity())
     if kind.startswith("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=kind.endswith("foreach"))
     else:
@@ -71,9 +86,9 @@ def loss_of(model):
     return lambda b: F.cross_entropy(model(b[0]), b[1])
 
 
-def reference(kind: str, micro: int, wide: int = WIDE, square: bool = False) -> tuple:
+def reference(kind: str, micro: int, wide: int = WIDE, bank: int = 0) -> tuple:
     """The uninterrupted run: every batch stepped once at ``micro``."""
-    model, opt = make(kind, wide, square=square)
+    model, opt = make(kind, wide, bank=bank)
     g = Guard(budget=None, micro_batch=micro, allocator=False)
     for b in batches():
         g.step(b, loss_of(model), opt, restore=[model])
@@ -160,15 +175,17 @@ KINDS = ["adamw-foreach", "adamw-single", "sgd-foreach", "sgd-single"]
 
 
 def run_with_fault(kind: str, fault_step: int, room_of, fault=None, wide: int = 512,
-                   square: bool = False):
+                   bank: int = 0, most: bool = False):
     """The reference run of ``kind`` whose step ``fault_step`` has its
     update under a budget that leaves it ``room_of(needed, backup)`` bytes
-    (``None``: no budget), set once the gradients are there, and
+    (``None``: no budget; ``most``: counting the arena's free slab blocks,
+    which only allocations of their size class reuse, else not), set once
+    the gradients are there, and
     ``fault(opt)`` armed (see :func:`fail_step`); redone as a user would (a
     rolled-back step again, the budget lifted) until it commits. Returns
     (errors raised at that step, the state before it, the model, the
     optimizer); an error that was not rolled back ends the run there."""
-    model, opt = make(kind, wide, square=square)
+    model, opt = make(kind, wide, bank=bank)
     g = Guard(budget=None, micro_batch=8, allocator=False)
     errors, before, data, i = [], None, batches(), 0
 
@@ -178,7 +195,9 @@ def run_with_fault(kind: str, fault_step: int, room_of, fault=None, wide: int = 
         if room is not None:
             gc.collect()                         # no garbage for a relief to find
             st = allocator.stats()
-            allocator.set_budget(st["reserved_bytes.current"] - st["cached_bytes"] + room)
+            held = st["allocated_bytes.current"] if most else \
+                st["reserved_bytes.current"] - st["cached_bytes"]
+            allocator.set_budget(held + room)
 
     while i < len(data):
         hook = None
@@ -240,13 +259,12 @@ def test_an_update_that_cannot_fit_is_never_begun(arena, kind):
     it begins, with everything as before, by a real refusal of the budget,
     and the message says what it needs, what was held and the budget.
     The user raises the budget and the run ends as the uninterrupted one."""
-    want = state_of(*reference(kind, 8, 2048, square=True))
+    want = state_of(*reference(kind, 8, bank=1 << 22))
     errors, _, model, opt = run_with_fault(kind, 2, lambda needed, backup: needed // 2,
-                                           wide=2048, square=True)
+                                           wide=WIDE, bank=1 << 22, most=True)
     assert len(errors) == 1 and errors[0].rolled_back and errors[0].__cause__ is None
     e = errors[0]
     assert e.budget_bytes and e.held_bytes and e.needed_bytes > e.room_bytes
-    assert e.held_bytes + e.room_bytes == e.budget_bytes
     for figure in (e.needed_bytes, e.held_bytes, e.budget_bytes, e.room_bytes):
         assert size(figure) in str(e)
     assert_same(state_of(model, opt), want)
@@ -295,7 +313,7 @@ def test_a_first_update_under_any_room_commits_or_is_undone_or_says_it_is_not(ar
         calls: list = []
         errors, before, model, opt = run_with_fault(
             kind, 0, lambda needed, backup, k=k: needed * k // 20,
-            lambda opt: count_steps(opt, calls), wide=512)
+            lambda opt, calls=calls: count_steps(opt, calls), wide=512)
         outcomes.add(check_outcome(errors, before, after, model, opt, want, calls))
     assert "undone" in outcomes
 
@@ -495,7 +513,7 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
     def plain():
         model, opt = make("adamw-foreach", norm=False)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
-        hook = _dino_like(model, opt, model[-1], clip=0.05)
+        hook = _dino_like(model, opt, model[3], clip=0.05)
         for x, y in data:
             with autocast():
                 loss = F.cross_entropy(model(x), y)
@@ -516,7 +534,7 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
         model, opt = make("adamw-foreach", norm=False)
         scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if amp else None
         g = Guard(budget=None, micro_batch=micro, allocator=False)
-        last = [p.detach().clone() for p in model[-1].parameters()]
+        last = [p.detach().clone() for p in model[3].parameters()]
 
         def loss_fn(b):
             with autocast():
@@ -524,8 +542,8 @@ def test_before_optimizer_step_clips_each_parameter_and_freezes_a_layer(micro, a
 
         for b in data:
             g.step(b, loss_fn, opt, scaler=scaler, restore=[model],
-                   before_optimizer_step=_dino_like(model, opt, model[-1], clip=0.05))
-        assert all(torch.equal(p, q) for p, q in zip(model[-1].parameters(), last))   # frozen
+                   before_optimizer_step=_dino_like(model, opt, model[3], clip=0.05))
+        assert all(torch.equal(p, q) for p, q in zip(model[3].parameters(), last))   # frozen
         return model, opt
 
     assert_same(state_of(*guarded()), state_of(*plain()))

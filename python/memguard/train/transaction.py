@@ -11,14 +11,16 @@ allocates temporaries; an optimizer hook may raise.
 
 * **what the update allocates** (its *need*): the state it creates (twice
   the size of each parameter that has none yet, as Adam's) and its
-  temporaries, measured at this optimizer's last update that raised the
-  step's peak (its peak above what was held before it: exact); before one
+  temporaries, measured at this optimizer's last update that created no
+  state and raised the step's peak (its peak above what was held before
+  it: exact, in the budget's own units); before one
   is measured, estimated as the larger of the parameters' size (a
   ``foreach`` update) and twice the largest one (a for-loop update). An
   update that stays below the forward's peak fits wherever the forward did;
 * **the room** the budget leaves (none without a budget to pass: then no
   out-of-memory error is expected of it); when the room is short of the
-  need, memory is relieved first; when it still is, and the need was
+  need, memory is relieved first; when even all that is not held (the
+  arena's free slab blocks counted) is short of it, and the need was
   measured (no state to create, the same parameters as last time), the
   update cannot fit and is never begun: :class:`OptimizerOOMError`, with
   everything as before the step;
@@ -143,19 +145,24 @@ def footprint(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return total, state
 
 
-def _room(params: list[torch.Tensor]) -> int | None:
-    """Bytes the next allocations may still take where an out-of-memory
-    error can happen, ``None`` where none is expected (no budget to pass)."""
+def _room(params: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(bytes the next allocations can surely take, bytes they could take
+    at most) where an out-of-memory error can happen, ``None`` where none
+    is expected (no budget to pass). Under the arena the two differ by its
+    free slab blocks: reusable by allocations of their own size class only."""
     if params and params[0].is_cuda:
         dev = params[0].device
         free, _ = sys.modules["torch"].cuda.mem_get_info(dev)
-        return device_room(free, cuda.stats(dev))  # torch's counters fail under memguard's
+        room = device_room(free, cuda.stats(dev))  # torch's counters fail under memguard's
+        return room, room
     if not arena.installed():
         return None
     st = _C.arena_stats()
-    if not st["budget_bytes"]:
+    budget = st["budget_bytes"]
+    if not budget:
         return None
-    return int(st["budget_bytes"] - st["reserved_bytes.current"] + st["cached_bytes"])
+    least = budget - st["reserved_bytes.current"] + st["cached_bytes"]
+    return int(least), int(max(least, budget - st["allocated_bytes.current"]))
 
 
 def _held(params: list[torch.Tensor]) -> tuple[int, int]:
@@ -210,11 +217,12 @@ class Need:
         return fresh + max(sum(sizes), 2 * max(sizes)), fresh, False
 
     def learn(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
-              peak_above: int, created: int) -> None:
-        """An update of ``params`` peaked ``peak_above`` bytes above what
-        was held before it, ``created`` of them state it keeps."""
+              peak_above: int) -> None:
+        """An update of ``params`` that created no state peaked
+        ``peak_above`` bytes (as the budget counts them) above what was held
+        before it."""
         self._temps[optimizer] = ((len(params), sum(p.nbytes for p in params)),
-                                  max(0, peak_above - created))
+                                  max(0, peak_above))
 
 
 class _Undo:
@@ -323,12 +331,12 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
     for attempt in range(2):
         needed, state, measured = need.of(optimizer, params)
         room = _room(params)
-        if room is not None and room < needed:
+        if room is not None and room[0] < needed:
             relieve()
             room = _room(params)
-        if measured and room is not None and room < needed:   # it cannot fit: never begin it
-            raise OptimizerOOMError(needed, state, *_held(params), room, rolled_back=True)
-        undo = _undo_for(optimizer, params, scaler, needed, room)
+        if measured and room is not None and room[1] < needed:   # it cannot fit: never begin
+            raise OptimizerOOMError(needed, state, *_held(params), room[1], rolled_back=True)
+        undo = _undo_for(optimizer, params, scaler, needed, room and room[0])
         before = meter.now() if meter is not None else None
         try:
             loss = apply()
@@ -342,14 +350,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
                                  f"update ({why}): the step could NOT be rolled back")
                 raise
             if attempt or not undone:
-                raise OptimizerOOMError(needed, state, *_held(params), _room(params), undone,
+                room = _room(params)
+                raise OptimizerOOMError(needed, state, *_held(params), room and room[0], undone,
                                         why) from exc
         else:
-            after = meter.now() if before is not None else None
+            after = meter.now() if before is not None and not undo.fresh else None
             if after is not None and after[1] > before[1]:   # its own peak: exact
-                created = sum(sum(t.nbytes for t in _tensors(optimizer.state.get(p)))
-                              for p in undo.fresh)
-                need.learn(optimizer, params, after[1] - before[0], created)
+                need.learn(optimizer, params, after[1] - before[0])
             return loss
         relieve()
     raise AssertionError("unreachable")
