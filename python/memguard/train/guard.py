@@ -45,6 +45,7 @@ from memguard.train import batch as _batch
 from memguard.train.boundary import Boundary
 from memguard.train.config import GuardConfig
 from memguard.train.distributed import Peers
+from memguard.train.interrupts import held
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
 from memguard.train.step import GuardOOMError, Output, StepArgs, StepResult, Transaction, infer  # noqa: F401
@@ -79,7 +80,7 @@ class _OneLoop:
 
     def _add(self, entry: _Entry) -> None:
         me = threading.current_thread()
-        with self._lock:
+        with held(), self._lock:          # an interrupt in `with lock:` can skip its __exit__
             live = list(self._entries)
             other = next((e.thread for e in live if e.thread is not me), None)
             if other is not None:
