@@ -56,10 +56,9 @@ def interrupt(request):
 def test_a_signal_inside_held_is_handled_when_the_block_ends(interrupt):
     sig, exc = interrupt
     done = []
-    with pytest.raises(exc):
-        with held():
-            signal.raise_signal(sig)
-            done.append("the rest of the block ran")
+    with pytest.raises(exc), held():
+        signal.raise_signal(sig)
+        done.append("the rest of the block ran")
     assert done
     assert signal.getsignal(sig) is not None and not isinstance(
         getattr(signal.getsignal(sig), "__self__", None), held)    # handler put back
@@ -69,23 +68,21 @@ def test_a_second_signal_goes_through_at_once(interrupt):
     """Pressing Ctrl-C twice gets out of a commit that hangs."""
     sig, exc = interrupt
     done = []
-    with pytest.raises(exc):
-        with held():
-            signal.raise_signal(sig)
-            done.append(1)
-            signal.raise_signal(sig)
-            done.append(2)
+    with pytest.raises(exc), held():
+        signal.raise_signal(sig)
+        done.append(1)
+        signal.raise_signal(sig)
+        done.append(2)
     assert done == [1]
 
 
 def test_held_blocks_nest_and_the_outer_one_delivers(interrupt):
     sig, exc = interrupt
     done = []
-    with pytest.raises(exc):
+    with pytest.raises(exc), held():
         with held():
-            with held():
-                signal.raise_signal(sig)
-            done.append("after the inner block")
+            signal.raise_signal(sig)
+        done.append("after the inner block")
     assert done
 
 
