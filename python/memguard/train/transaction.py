@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -350,6 +351,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
                                  f"update ({why}): the step could NOT be rolled back")
                 raise
             if attempt or not undone:
+                # the update's frames would keep the state it created, and
+                # its temporaries, alive as long as the error
+                traceback.clear_frames(exc.__traceback__)
                 room = _room(params)
                 raise OptimizerOOMError(needed, state, *_held(params), room and room[0], undone,
                                         why) from exc
