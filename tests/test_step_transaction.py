@@ -802,3 +802,130 @@ def test_an_error_keeps_nothing_of_memguards_alive(arena):
 def memguard_output(loss, aux):
     from memguard import Output
     return Output(loss=loss, aux=aux)
+
+
+# -- restore= by name, and what pre_step wrote --------------------------------------
+class Counting(torch.nn.Module):
+    """A forward that reassigns its buffers instead of writing into them: a
+    count of samples seen (``self.seen = self.seen + n``) and a MoCo-like
+    queue rebuilt with ``torch.cat``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("queue", torch.zeros(32, 3))
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.seen = self.seen + len(x)
+        self.queue = torch.cat([out.detach(), self.queue])[:32]
+        return out
+
+
+def oom_on_call(n: int, loss_fn):
+    """``loss_fn`` whose ``n``-th call runs out of memory (after the forward)."""
+    calls = []
+
+    def fn(b):
+        calls.append(1)
+        out = loss_fn(b)
+        if len(calls) == n:
+            raise RuntimeError(OOM)
+        return out
+    return fn
+
+
+def test_restore_puts_back_buffers_the_forward_reassigned():
+    """restore=[module] keeps buffers by name: a redone step (an OOM in its
+    second micro-batch) counts its 16 samples once (it counted 32), and its
+    queue holds the last micro-batches' outputs once; a failed step leaves
+    the count at 0 and the queue as it was (it left 16). The module holds
+    its original buffer tensors again, not orphans."""
+    torch.manual_seed(0)
+    m = Counting()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    b = batches(1)[0]
+    seen0, queue0 = m.seen, m.queue
+    g = Guard(budget=None, micro_batch=8, allocator=False)
+
+    def loss(mb):
+        return F.cross_entropy(m(mb[0]), mb[1])
+
+    with pytest.raises(ValueError):
+        g.step(b, _fails_on(2, loss), opt, restore=[m])
+    assert int(m.seen) == 0 and not m.queue.any()
+    assert m.seen is seen0 and m.queue is queue0
+    with torch.no_grad():
+        want = torch.cat([m.lin(b[0][8:]), m.lin(b[0][:8]), torch.zeros(16, 3)])
+    with pytest.warns(UserWarning, match="Counting.seen changed"):
+        g.step(b, oom_on_call(2, loss), opt, restore=[m])
+    assert g.ooms_recovered == 1 and int(m.seen) == 16
+    assert torch.equal(m.queue, want)
+
+
+def test_pre_step_with_its_targets_in_restore_is_kept_by_a_redo_and_undone_by_a_failure():
+    """MoCo's momentum update reassigning .data, its targets listed in
+    restore= (as the docs advised): a redone step keeps the update, done
+    once (it was lost: 0.0 where 1.0 is right); a failed step undoes it."""
+    _pre_step_case(listed=True, how="data")
+
+
+@pytest.mark.parametrize("how", ["data", "inplace", "data_inplace"])
+def test_pre_step_is_undone_by_a_failed_step_without_restore(how):
+    """The same update, written three ways (reassigned .data; in-place on
+    the parameter; in-place on .data, as MoCo v3), not listed in restore=:
+    a failed step undoes it all the same, a redo keeps it once."""
+    _pre_step_case(listed=False, how=how)
+
+
+def _pre_step_case(listed: bool, how: str) -> None:
+    torch.manual_seed(0)
+    q = torch.nn.Linear(6, 3)
+    k = copy.deepcopy(q).requires_grad_(False)
+    with torch.no_grad():
+        for p in k.parameters():
+            p.zero_()
+    opt = torch.optim.SGD(q.parameters(), lr=0.1)
+
+    def momentum():
+        for pk, pq in zip(k.parameters(), q.parameters()):
+            if how == "data":
+                pk.data = pk.data * 0.5 + pq.data * 0.5
+            elif how == "inplace":
+                with torch.no_grad():
+                    pk.mul_(0.5).add_(pq, alpha=0.5)
+            else:
+                pk.data.mul_(0.5).add_(pq.data * 0.5)
+
+    def moved_once(before_q):
+        return [bk * 0.5 + bq * 0.5 for bk, bq in zip(k_before, before_q)]
+
+    restore = [*k.parameters()] if listed else ()
+    g = Guard(budget=None, micro_batch=8, allocator=False, model=q)
+    b = batches(1)[0]
+
+    def loss(mb):
+        return F.cross_entropy(q(mb[0]) + k(mb[0]), mb[1])
+
+    k_before = [p.detach().clone() for p in k.parameters()]
+    with pytest.raises(ValueError):
+        g.step(b, _fails_on(2, loss), opt, restore=restore, pre_step=momentum)
+    for p, s in zip(k.parameters(), k_before):
+        assert torch.equal(p, s)                           # undone
+    q_before = [p.detach().clone() for p in q.parameters()]
+    g.step(b, oom_on_call(2, loss), opt, restore=restore, pre_step=momentum)
+    assert g.ooms_recovered == 1
+    for p, want in zip(k.parameters(), moved_once(q_before)):
+        assert torch.equal(p, want)                        # kept, once
+
+
+def _fails_on(n: int, loss_fn):
+    calls = []
+
+    def fn(b):
+        calls.append(1)
+        if len(calls) == n:
+            raise ValueError("the second micro-batch fails")
+        return loss_fn(b)
+    return fn

@@ -12,16 +12,15 @@ gradients and the optimizer's update.
   keeps it (the snapshot is taken after ``pre_step``); a rolled-back step
   undoes it. Writes are recorded as ``pre_step`` makes them: before an
   operation writes a tensor in place for the first time, the tensor's
-  storage is copied; a ``.data`` that ``pre_step`` reassigns is seen on the
-  tensors memguard knows (the guard's model, ``restore=`` and the
-  optimizer's parameters), whose old data it keeps. Its cost: a copy of
-  what ``pre_step`` writes, until the step ends, and a Python call per
+  storage is copied; a tensor whose ``.data`` ``pre_step`` reassigns keeps
+  its old data aside. Its cost: a copy of what ``pre_step`` writes (or the
+  old data it replaced), until the step ends, and a Python call per tensor
   operation inside ``pre_step``.
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import threading
 from typing import Any, Callable
 
 import torch
@@ -115,19 +114,15 @@ class Rng:
 
 class PreStepUndo:
     """``pre_step`` run once, with what it writes recorded so that
-    :meth:`undo` can put it back (see the module docs).
+    :meth:`undo` can put it back (see the module docs)."""
 
-    Args:
-        known: tensors whose ``.data`` ``pre_step`` may reassign.
-    """
-
-    def __init__(self, known: Iterable[torch.Tensor]) -> None:
+    def __init__(self) -> None:
         self.rng = Rng()
-        self._data = [(t, t.data) for t in _unique(known)]
         self._storages: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._data: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def run(self, pre_step: Callable[[], Any]) -> None:
-        with _WriteLog(self._storages):
+        with _DataLog(self._data), _WriteLog(self._storages):
             pre_step()
 
     def undo(self) -> None:
@@ -135,19 +130,42 @@ class PreStepUndo:
         with torch.no_grad():
             for storage, saved in self._storages.values():
                 storage.copy_(saved)
-            for t, old in self._data:
-                if t.data_ptr() != old.data_ptr() or t.shape != old.shape or \
-                        t.dtype != old.dtype or t.device != old.device:
-                    t.data = old
+            for t, old in reversed(self._data):
+                _DATA.__set__(t, old)
         self.rng.restore()
 
 
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen.setdefault(id(t), t)
-    return list(seen.values())
+#: the C descriptor behind every tensor's ``.data``
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+class _DataLog:
+    """Records, for every tensor whose ``.data`` this thread reassigns while
+    it is active, the data it had. ``.data = ...`` is no tensor operation
+    (no dispatch mode sees it): ``torch.Tensor.data`` is shadowed by a
+    property for the while, and put back after."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self._had: Any = None
+
+    def __enter__(self) -> _DataLog:
+        me, log = threading.get_ident(), self.log
+
+        def reassign(t: torch.Tensor, value: torch.Tensor) -> None:
+            if threading.get_ident() == me:
+                log.append((t, _DATA.__get__(t)))
+            _DATA.__set__(t, value)
+
+        self._had = torch.Tensor.__dict__.get("data")
+        torch.Tensor.data = property(_DATA.__get__, reassign)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._had is None:
+            del torch.Tensor.data
+        else:
+            torch.Tensor.data = self._had
 
 
 class _WriteLog(TorchDispatchMode):

@@ -226,21 +226,9 @@ class Transaction:
         a = self.a
         a.optimizer.zero_grad(set_to_none=True)
         if a.pre_step is not None:
-            self.pre_undo = PreStepUndo(self._known())
+            self.pre_undo = PreStepUndo()
             self.pre_undo.run(a.pre_step)
         self.snapshot = Snapshot(a.restore)
-
-    def _known(self) -> list[torch.Tensor]:
-        """Tensors whose ``.data`` pre_step may reassign: the guard's model,
-        what ``restore=`` lists, the optimizer's parameters."""
-        out: list[torch.Tensor] = [p for g in self.a.optimizer.param_groups for p in g["params"]]
-        items = self.a.restore if isinstance(self.a.restore, (list, tuple)) else (self.a.restore,)
-        for m in (self.g.model, *items):
-            if isinstance(m, torch.nn.Module):
-                out += [*m.parameters(), *m.buffers()]
-            elif isinstance(m, torch.Tensor):
-                out.append(m)
-        return out
 
     def _attempts(self) -> None:
         """Attempt until the micro-batches are done (redoing the step
