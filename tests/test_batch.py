@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections import namedtuple
 
@@ -78,18 +77,48 @@ def test_batch_size(name):
     assert _batch.batch_size(STRUCTURES[name](1)) == 1
 
 
+@pytest.mark.parametrize(("n", "size", "rule", "want"), [
+    (7, 2, {"multiple_of": 2}, [2, 2, 3]),        # 7 is odd: one micro-batch carries it
+    (7, 3, {"multiple_of": 3}, [3, 4]),
+    (13, 4, {"multiple_of": 4}, [4, 4, 5]),
+    (13, 4, {}, [4, 4, 5]),                       # never one sample (BatchNorm raises)
+    (14, 4, {}, [4, 4, 4, 2]),
+    (12, 8, {"multiple_of": 4}, [8, 4]),          # a valid remainder stays its own
+    (100, 64, {"divisor_of": 65536}, [64, 32, 4]),  # each divides the queue
+    (100, 64, {"divisor_of": 65536, "least": 8}, [64, 36]),
+    (96, 32, {"divisor_of": 65536}, [32, 32, 32]),
+    (10, 4, {"least": 3}, [4, 6]),
+    (5, 1, {}, [1] * 5),                          # a planned size of one is the plan's
+    (5, 8, {"multiple_of": 2}, [5]),              # the whole batch is always allowed
+])
+def test_micro_batch_sizes_keep_the_constraints(n, size, rule, want):
+    """Every micro-batch keeps multiple_of, divisor_of and min_micro_batch
+    and is never one sample of a batch of more; a remainder that cannot be
+    a valid micro-batch goes into the last one, which then breaks a
+    constraint only as the whole batch does."""
+    sizes = _batch.Sizes(**rule)
+    assert sizes.of(n, size) == want
+    assert sum(want) == n
+    parts = _batch.split(torch.arange(n), n, size, sizes)
+    assert [len(p) for p in parts] == want
+    assert torch.equal(torch.cat(parts), torch.arange(n))
+
+
 @pytest.mark.parametrize("name", sorted(STRUCTURES))
 @pytest.mark.parametrize("size", [1, 3, 6, 7, 100])
 def test_split_concat_round_trip(name, size):
+    """Micro-batches of ``size`` and the remainder, which a micro-batch of
+    one sample would be: then the last one takes it (7 at 3 is 3 and 4)."""
     batch = STRUCTURES[name](B)
     parts = _batch.split(batch, B, size)
-    assert len(parts) == math.ceil(B / size)
     sizes = [_batch.batch_size(p) for p in parts]
-    assert sizes == [min(size, B - i) for i in range(0, B, size)]
-    for i, p in enumerate(parts):
+    want = {1: [1] * 7, 3: [3, 4], 6: [7], 7: [7], 100: [7]}[size]
+    assert sizes == want
+    starts = [sum(want[:i]) for i in range(len(want))]
+    for p, start, m in zip(parts, starts, want):
         # each piece is exactly the matching slice of the whole batch
-        assert_same(p, _batch.slice_(batch, i * size, min((i + 1) * size, B)))
-        assert_same(p, STRUCTURES[name](B) if size >= B else _expected_slice(name, i, size))
+        assert_same(p, _batch.slice_(batch, start, start + m))
+        assert_same(p, STRUCTURES[name](B) if m == B else _expected_slice(name, start, m))
     joined = _batch.concat(parts)
     if name == "scalar_leaves" and len(parts) > 1:
         # a 0-d leaf is not split, and concat stacks 0-d values (one per piece)
@@ -98,9 +127,9 @@ def test_split_concat_round_trip(name, size):
     assert_same(joined, batch)
 
 
-def _expected_slice(name: str, i: int, size: int):
+def _expected_slice(name: str, start: int, size: int):
     """Build the slice independently of _batch, from a fresh batch."""
-    start, stop = i * size, min((i + 1) * size, B)
+    stop = start + size
     full = STRUCTURES[name](B)
 
     def cut(v):
@@ -252,9 +281,9 @@ def test_split_property(n, size, width):
     batch = {"x": x, "names": [str(i) for i in range(n)], "t": torch.tensor(7)}
     parts = _batch.split(batch, n, size)
     sizes = [_batch.batch_size(p) for p in parts]
-    assert len(parts) == math.ceil(n / size)
-    assert all(s == size for s in sizes[:-1])
-    assert 1 <= sizes[-1] <= size and sum(sizes) == n
+    assert all(s == size for s in sizes[:-1]) and sum(sizes) == n
+    assert sizes[-1] <= size or sizes[-1] == size + 1 == n % size + size   # one merged in
+    assert sizes[-1] > 1 or size == 1 or n == 1
     for p in parts:
         assert p["names"] == [str(int(v)) for v in p["x"].reshape(len(p["names"]), -1)[:, 0]
                               // max(width, 1)]

@@ -930,3 +930,45 @@ def _fails_on(n: int, loss_fn):
             raise ValueError("the second micro-batch fails")
         return loss_fn(b)
     return fn
+
+
+# -- the last micro-batch keeps the constraints --------------------------------------
+def test_a_batchnorm_model_never_gets_a_micro_batch_of_one():
+    """Batch 13 at micro-batch 4 was 4, 4, 4 and 1, and BatchNorm raises on
+    one sample where the plain loop runs: now 4, 4 and 5, and the step runs."""
+    model, opt = make("sgd-foreach")
+    g = Guard(budget=None, micro_batch=4, allocator=False)
+    x, y = torch.randn(13, 6), torch.randint(0, 3, (13,))
+    sizes = []
+
+    def loss_fn(b):
+        sizes.append(len(b[0]))
+        return loss_of(model)(b)
+
+    res = g.step((x, y), loss_fn, opt, restore=[model])
+    assert sizes == [4, 4, 5] and res.n_micro == 3
+
+
+@pytest.mark.parametrize(("n", "multiple_of", "want"), [(8, 2, [2] * 4), (7, 2, [2, 2, 3])])
+def test_pairs_stay_pairs(n, multiple_of, want):
+    """A pair-wise loss (multiple_of=2) never sees a lone sample: a batch
+    of 8 at 2 is pairs; a batch of 7 (odd itself) puts its odd sample in
+    the last micro-batch, with a warning that says so, once."""
+    model, opt = make("sgd-foreach", norm=False)
+    g = Guard(budget=None, micro_batch=2, multiple_of=multiple_of, allocator=False)
+    x, y = torch.randn(n, 6), torch.randint(0, 3, (n,))
+    sizes = []
+
+    def loss_fn(b):
+        sizes.append(len(b[0]))
+        return loss_of(model)(b)
+
+    import warnings as w
+    with w.catch_warnings(record=True) as got:
+        w.simplefilter("always")
+        for _ in range(2):
+            g.step((x, y), loss_fn, opt)
+    assert sizes == want * 2
+    msgs = [str(r.message) for r in got if "remainder" in str(r.message)]
+    assert len(msgs) == (n % multiple_of != 0)
+    assert not msgs or "batch of 7 split at 2" in msgs[0] and "(3 samples)" in msgs[0]

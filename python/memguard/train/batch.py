@@ -121,12 +121,53 @@ def _refuse_unstacked(x: Any, where: str) -> None:
             _refuse_unstacked(getattr(x, f.name), f"{where}.{f.name}")
 
 
-def split(batch: Any, n: int, size: int) -> list:
-    """``batch`` of ``n`` samples as micro-batches of ``size`` samples (the
-    last one may be smaller)."""
-    if size >= n:
-        return [batch]
-    return [slice_(batch, start, min(start + size, n)) for start in range(0, n, size)]
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What every micro-batch must be: a multiple of ``multiple_of``, a
+    divisor of ``divisor_of`` (where given), at least ``least`` samples, and
+    never one sample of a batch of more (BatchNorm raises on one; a
+    pair-wise loss has no pair).
+
+    A batch of ``n`` at a planned ``size`` is ``n // size`` micro-batches of
+    ``size`` and what remains: kept as micro-batches where it makes valid
+    ones (the largest first: 36 at 64 under ``divisor_of=65536`` is 32 and
+    4), else merged into the last full micro-batch (7 at 2 under
+    ``multiple_of=2`` is 2, 2 and 3, which breaks the constraint as the
+    whole batch of 7 does, and no more).
+    """
+    multiple_of: int = 1
+    divisor_of: int | None = None
+    least: int = 1
+
+    def valid(self, m: int) -> bool:
+        return (m >= max(2, self.least) and m % self.multiple_of == 0
+                and (self.divisor_of is None or self.divisor_of % m == 0))
+
+    def of(self, n: int, size: int) -> list[int]:
+        """The sizes of the micro-batches of a batch of ``n`` at ``size``."""
+        if size >= n:
+            return [n]
+        out = [size] * (n // size)
+        rest = n % size
+        while rest:
+            m = next((m for m in range(rest, 0, -1) if self.valid(m)), 0)
+            if not m:
+                out[-1] += rest
+                break
+            out.append(m)
+            rest -= m
+        return out
+
+
+def split(batch: Any, n: int, size: int, sizes: Sizes | None = None) -> list:
+    """``batch`` of ``n`` samples as micro-batches of ``size`` samples, what
+    remains as ``sizes`` says (by default: no constraint but the one-sample
+    rule)."""
+    out, start = [], 0
+    for m in (sizes or Sizes()).of(n, size):
+        out.append(batch if m == n else slice_(batch, start, start + m))
+        start += m
+    return out
 
 
 def slice_(batch: Any, start: int, stop: int) -> Any:

@@ -157,6 +157,12 @@ class GuardConfig:
         return str(option("budget"))
 
     @property
+    def sizes(self) -> Any:
+        """What every micro-batch must be (a :class:`~memguard.train.batch.Sizes`)."""
+        from memguard.train.batch import Sizes  # torch: loaded once a step runs
+        return Sizes(self.multiple_of, self.divisor_of, self.min_micro_batch)
+
+    @property
     def fixed(self) -> bool:
         """Whether the micro-batch size was given (only OOMs change it)."""
         return self.micro_batch != "auto"

@@ -92,7 +92,8 @@ def _as_leaf(x: Any) -> Any:
 
 def gradcache_backward(batch: Any, n: int, micro: int, embed_fn: Callable[[Any], Any],
                        loss_fn: Callable[[Any], torch.Tensor], scaler: Any = None, *,
-                       model: torch.nn.Module | None = None) -> tuple[float, Any]:
+                       model: torch.nn.Module | None = None,
+                       sizes: _batch.Sizes | None = None) -> tuple[float, Any]:
     """One step's backward for a loss over the whole batch, in micro-batches.
 
     Parameter gradients are *added* to ``.grad`` (zero them before, step
@@ -116,7 +117,7 @@ def gradcache_backward(batch: Any, n: int, micro: int, embed_fn: Callable[[Any],
         batch: a tensor or a nest of tensors (see :mod:`memguard.train.batch`),
             split along dim 0.
         n: the samples in ``batch``.
-        micro: samples per micro-batch (the last may hold fewer).
+        micro: samples per micro-batch (what remains as ``sizes`` says).
         embed_fn: ``embed_fn(micro_batch)`` returns embeddings: a tensor or
             a nest of tensors (a tuple for CLIP's two towers), each with the
             micro-batch's samples along dim 0. Each sample's embedding must
@@ -129,6 +130,8 @@ def gradcache_backward(batch: Any, n: int, micro: int, embed_fn: Callable[[Any],
         model: the module trained; where it has ``no_sync`` (DDP, FSDP),
             every replayed micro-batch but the last runs under it, so the
             gradients are all-reduced once.
+        sizes: what every micro-batch must be (:class:`memguard.train.batch.Sizes`;
+            by default, never one sample of a batch of more).
 
     Returns:
         ``(loss, embeddings)``: the loss as a float (unscaled) and the whole
@@ -160,7 +163,7 @@ def gradcache_backward(batch: Any, n: int, micro: int, embed_fn: Callable[[Any],
             (scaler.scale(loss) if scaler is not None else loss).backward()
         return float(loss.detach()), _batch.detach(emb)
 
-    parts = _batch.split(batch, n, micro)
+    parts = _batch.split(batch, n, micro, sizes)
     sizes = [_batch.batch_size(p) for p in parts]
 
     # 1. Embeddings without graphs; the RNG state before each micro-batch

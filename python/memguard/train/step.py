@@ -403,23 +403,40 @@ class Transaction:
     def _attempt(self) -> list:
         """The micro-batches at the planned size: their aux, detached."""
         a = self.a
+        sizes = self._sizes()
         if a.embed_fn is not None:
             loss, emb = gradcache_backward(a.batch, a.n, self.micro, a.embed_fn, a.loss_fn,
                                            a.scaler, model=None if self.deferred
-                                           else self.g.model)
-            self.acc.add_whole_batch(loss, -(-a.n // self.micro))
+                                           else self.g.model, sizes=sizes)
+            self.acc.add_whole_batch(loss, len(sizes.of(a.n, self.micro)))
             return [emb]
         # Sample weights are known up front: scale each loss by its share at
         # once, so one micro-batch of the whole batch is the plain step.
         self.acc.total_weight = float(a.n)
         self._caller_weights: bool | None = None
-        items = list(_batch.split(a.batch, a.n, self.micro))
+        items = _batch.split(a.batch, a.n, self.micro, sizes)
         auxes: list = []
         for i, micro_batch in enumerate(self.acc.iterate(items)):
             aux = self._micro_batch(micro_batch, last=i == len(items) - 1)
             if aux is not None:
                 auxes.append(_batch.detach(aux))
         return auxes
+
+    def _sizes(self) -> _batch.Sizes:
+        """The guard's constraints on micro-batches; a split whose last
+        micro-batch had to take a remainder that breaks them (the batch
+        itself breaks them) is warned about once."""
+        sizes = self.g.config.sizes
+        parts = sizes.of(self.a.n, self.micro)
+        if len(parts) > 1 and not sizes.valid(parts[-1]) and "remainder" not in self.warned:
+            self.warned.add("remainder")
+            warnings.warn(
+                f"memguard: a batch of {self.a.n} split at {self.micro} leaves a remainder "
+                f"that makes no micro-batch of its own under multiple_of="
+                f"{sizes.multiple_of}, divisor_of={sizes.divisor_of}, min_micro_batch="
+                f"{sizes.least}: the last micro-batch takes it ({parts[-1]} samples), as "
+                f"the whole batch would", UserWarning, stacklevel=6)
+        return sizes
 
     def _agree_done(self, weightless: ValueError | None = None) -> None:
         """The ranks agree before gradients leave this one; a rank whose
@@ -479,9 +496,10 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
     micro-batch that failed, at the planner's smaller size."""
     n = _batch.checked_size(batch)
     micro, start, outs, tried = min(guard.micro_batch or n, n), 0, [], []
+    sizes = guard.config.sizes
     with torch.no_grad():
         while start < n:
-            stop = min(start + micro, n)
+            stop = start + sizes.of(n - start, micro)[0]
             try:
                 outs.append(_batch.detach(fn(_batch.slice_(batch, start, stop))))
                 start = stop
