@@ -100,6 +100,12 @@ class Peers:
         self._armed = False    # a synchronising forward may have run this attempt
         self._flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self.collectives = 0   # all-reduces issued, for tests and telemetry
+        # the votes' tensors, made once: a vote after an out-of-memory error
+        # must not allocate under the budget that was just exhausted
+        width = 2 + len(self.params())
+        self._host = torch.zeros(width, dtype=torch.int64)
+        self._wire = self._host if self.device.type == "cpu" else \
+            torch.zeros(width, dtype=torch.int64, device=self.device)
 
     @staticmethod
     def detect(model: torch.nn.Module | None, group: Any = None,
@@ -122,11 +128,18 @@ class Peers:
         return Peers(model, group, overlap)
 
     def agree(self, values: list[int]) -> list[int]:
-        """The element-wise minimum of ``values`` over the ranks."""
-        t = torch.tensor(values, dtype=torch.int64, device=self.device)
-        _dist().all_reduce(t, op=_dist().ReduceOp.MIN, group=self.group)
+        """The element-wise minimum of ``values`` over the ranks, through
+        tensors made in advance (nothing is allocated)."""
+        k, staged = len(values), self._wire is not self._host
+        host, wire = self._host[:k], self._wire[:k]
+        host.numpy()[:] = values
+        if staged:
+            wire.copy_(host)
+        _dist().all_reduce(wire, op=_dist().ReduceOp.MIN, group=self.group)
         self.collectives += 1
-        return [int(v) for v in t.tolist()]
+        if staged:
+            host.copy_(wire)
+        return host.tolist()
 
     #: a rank's state in a vote, ordered: the minimum over the ranks wins
     OK, OOM, WEIGHTLESS, SKIP = 0, -1, -2, -3
