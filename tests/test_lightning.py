@@ -302,3 +302,44 @@ def test_training_step_returning_none_skips_the_batch(tmp_path):
     assert skipped.trainer.global_step == N // BATCH - 1
     for (name, a), b in zip(skipped.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_oom_as_adam_creates_its_state_under_lightning_is_rolled_back_and_retried(tmp_path):
+    """Through Lightning's optimizer wrapper too, an out-of-memory error
+    before the update writes anything (here, as Adam creates its state at
+    the first step) drops the state it made and retries: the run equals the
+    plain one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Adam(Plain):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    class GuardedAdam(MemGuardModule, Adam):
+        def on_train_start(self):
+            inner = self.optimizers().optimizer
+            real, failed = inner.step, []
+
+            class FailFirst(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    if not failed:
+                        failed.append(func)
+                        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you "
+                                           "tried to allocate 4096 bytes")
+                    return func(*args, **(kwargs or {}))
+
+            def step(*a, **kw):
+                with FailFirst():
+                    return real(*a, **kw)
+
+            inner.step = step
+            self.failed = failed
+
+    plain = Adam()
+    trainer(tmp_path / "a", max_epochs=1).fit(plain, data())
+    guarded = GuardedAdam()
+    cb = MemGuardCallback(budget=None, micro_batch=16, allocator=False)
+    trainer(tmp_path / "b", [cb], max_epochs=1).fit(guarded, data())
+    assert guarded.failed and cb.guard.steps == N // BATCH
+    for p, q in zip(plain.parameters(), guarded.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

@@ -226,6 +226,16 @@ class Need:
                                   max(0, peak_above))
 
 
+def _inner(optimizer: Any) -> Any:
+    """The optimizer inside a wrapper that steps it (Lightning's
+    ``LightningOptimizer``, a subclass made of the optimizer's own class,
+    keeps it as ``.optimizer``)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer) and \
+            optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 class _Undo:
     """How one update is undone: from a backup of what it writes, or by
     dropping the state it created where it had not begun."""
@@ -245,7 +255,7 @@ class _Undo:
         self._plain = plain
         # versions count writes of torch.optim's updates, not under a
         # dispatch mode (foreach operations skip them there)
-        self._trusted = type(optimizer).step.__module__.startswith("torch.") and \
+        self._trusted = type(_inner(optimizer)).step.__module__.startswith("torch.") and \
             not is_in_torch_dispatch_mode()
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.state: dict[torch.Tensor, dict] = {}
@@ -301,7 +311,7 @@ class _Undo:
         if n:
             return f"{n} of its parameters, state tensors and values were already written, " \
                    f"and there was no room for a backup"
-        return f"{type(self.optimizer).__name__} is not one of torch.optim's, whose writes " \
+        return f"{type(_inner(self.optimizer)).__name__} is not one of torch.optim's, whose writes " \
                f"memguard can see, and there was no room for a backup"
 
 
