@@ -38,3 +38,15 @@ def arena():
     allocator.set_budget(None)
     allocator.trim()
     memguard.uninstall()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: reductions in one order, so runs
+    compare bit for bit."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

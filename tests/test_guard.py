@@ -868,3 +868,28 @@ def test_macos_footprint_peak_reads_rusage_v4_and_resets_per_step():
                                              else "RssPeak")
     if sys.platform != "darwin":
         assert FootprintPeak().read() == (None, None) and not FootprintPeak().reset_peak()
+
+
+def test_a_step_whose_exit_was_interrupted_does_not_block_the_next():
+    """An interrupt that lands in the step's exit before it deregistered,
+    its traceback kept (a notebook keeps the last one): the next step
+    runs; a step from inside a step is still refused."""
+    from memguard.train.guard import _Entry
+
+    a, oa, _, _ = twins("sgd_momentum")
+    g = guard(8)
+    real = _Entry.__exit__
+
+    def interrupted(self, *exc):
+        raise KeyboardInterrupt
+
+    _Entry.__exit__ = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt) as kept:
+            g.step(data(16)[0], mse_fn(a), oa)
+    finally:
+        _Entry.__exit__ = real
+    assert kept.value.__traceback__ is not None
+    g.step(data(16)[1], mse_fn(a), oa)              # not "steps do not nest"
+    with pytest.raises(RuntimeError, match="steps do not nest"):
+        g.step(data(16)[2], lambda b: g.step(b, mse_fn(a), oa), oa)

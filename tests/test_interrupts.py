@@ -27,12 +27,7 @@ F = torch.nn.functional
 BATCH = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(params=["SIGINT", "SIGTERM"])
@@ -325,3 +320,34 @@ def test_timer_signals_over_hundreds_of_steps_leave_no_mixed_state(interrupt):
             i += 1
     assert outcomes["mixed"] == 0, outcomes
     assert outcomes["rolled back"] and outcomes["committed"], outcomes
+
+
+def test_a_handler_set_inside_held_that_chains_reaches_the_original(interrupt):
+    """Code run in post_step installs its own handler that calls the one it
+    found (memguard's, holding): once the block has ended, signals reach
+    the original handler through it."""
+    sig, exc = interrupt
+    seen = []
+    with held():
+        found = signal.getsignal(sig)
+        signal.signal(sig, lambda s, f: (seen.append("mine"), found(s, f)))
+    try:
+        with pytest.raises(exc):
+            signal.raise_signal(sig)
+        assert seen == ["mine"]
+    finally:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else
+                      (lambda s, f: sys.exit(128 + s)))
+
+
+def test_ctrl_c_twice_gets_out_of_nested_blocks(interrupt):
+    sig, exc = interrupt
+    done = []
+    with pytest.raises(exc), held():
+        with held():
+            signal.raise_signal(sig)
+            done.append(1)
+            signal.raise_signal(sig)
+            done.append(2)
+        done.append(3)
+    assert done == [1]

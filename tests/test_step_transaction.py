@@ -935,7 +935,8 @@ def _fails_on(n: int, loss_fn):
 # -- the last micro-batch keeps the constraints --------------------------------------
 def test_a_batchnorm_model_never_gets_a_micro_batch_of_one():
     """Batch 13 at micro-batch 4 was 4, 4, 4 and 1, and BatchNorm raises on
-    one sample where the plain loop runs: now 4, 4 and 5, and the step runs."""
+    one sample where the plain loop runs: now 4, 4, 3 and 2, and the step
+    runs."""
     model, opt = make("sgd-foreach")
     g = Guard(budget=None, micro_batch=4, allocator=False)
     x, y = torch.randn(13, 6), torch.randint(0, 3, (13,))
@@ -946,7 +947,7 @@ def test_a_batchnorm_model_never_gets_a_micro_batch_of_one():
         return loss_of(model)(b)
 
     res = g.step((x, y), loss_fn, opt, restore=[model])
-    assert sizes == [4, 4, 5] and res.n_micro == 3
+    assert sizes == [4, 4, 3, 2] and res.n_micro == 4
 
 
 @pytest.mark.parametrize(("n", "multiple_of", "want"), [(8, 2, [2] * 4), (7, 2, [2, 2, 3])])
@@ -972,3 +973,51 @@ def test_pairs_stay_pairs(n, multiple_of, want):
     msgs = [str(r.message) for r in got if "remainder" in str(r.message)]
     assert len(msgs) == (n % multiple_of != 0)
     assert not msgs or "batch of 7 split at 2" in msgs[0] and "(3 samples)" in msgs[0]
+
+
+def test_pre_step_that_cannot_be_recorded_runs_as_in_a_plain_loop():
+    """pre_step writing a sparse tensor in place (no storage of its own to
+    copy): it runs as it would without memguard, and a rolled-back step
+    says that what pre_step did was kept."""
+    model, opt = make("sgd-foreach", norm=False)
+    sparse = torch.eye(3).to_sparse()
+    g = Guard(budget=None, micro_batch=8, allocator=False)
+
+    def pre_step():
+        sparse.mul_(2)
+
+    with pytest.warns(UserWarning, match="what pre_step did was kept"), \
+            pytest.raises(ValueError):
+        g.step(batches(1)[0], _fails_on(2, loss_of(model)), opt, pre_step=pre_step)
+    assert torch.equal(sparse.to_dense(), 2 * torch.eye(3))
+    g.step(batches(1)[0], loss_of(model), opt, pre_step=pre_step)
+    assert g.steps == 1 and torch.equal(sparse.to_dense(), 4 * torch.eye(3))
+
+
+def test_data_reassigned_by_two_threads_pre_steps_is_logged_apart():
+    """Two guards run pre_step on two threads at once: each undo log holds
+    its own thread's reassignments, and torch.Tensor.data is the C
+    descriptor again once both are done."""
+    import threading
+
+    from memguard.train.snapshot import PreStepUndo
+
+    a, b = torch.zeros(3), torch.zeros(3)
+    undos = [PreStepUndo(), PreStepUndo()]
+    barrier = threading.Barrier(2)
+
+    def run(undo, t):
+        def pre_step():
+            barrier.wait()
+            t.data = t.data + 1
+            barrier.wait()
+        undo.run(pre_step)
+
+    threads = [threading.Thread(target=run, args=(u, t)) for u, t in zip(undos, (a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [[x for x, _ in u._data] for u in undos] == [[a], [b]]
+    assert "data" not in torch.Tensor.__dict__
+    assert undos[0].undo() and torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.ones(3))

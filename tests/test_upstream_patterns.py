@@ -37,12 +37,7 @@ OUT = 8192
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- DINO ----------------------------------------------------------------------------

@@ -129,11 +129,13 @@ class Sizes:
     pair-wise loss has no pair).
 
     A batch of ``n`` at a planned ``size`` is ``n // size`` micro-batches of
-    ``size`` and what remains: kept as micro-batches where it makes valid
-    ones (the largest first: 36 at 64 under ``divisor_of=65536`` is 32 and
-    4), else merged into the last full micro-batch (7 at 2 under
-    ``multiple_of=2`` is 2, 2 and 3, which breaks the constraint as the
-    whole batch of 7 does, and no more).
+    ``size`` and what remains, which is kept as micro-batches where it makes
+    valid ones (the largest first: 36 at 64 under ``divisor_of=65536`` is 32
+    and 4); else it takes samples from the last full micro-batch where both
+    stay valid (13 at 4 is 4, 4, 3 and 2: no micro-batch above the plan);
+    else it is merged into the last one (7 at 2 under ``multiple_of=2`` is
+    2, 2 and 3, which breaks the constraint as the whole batch of 7 does,
+    and no more).
     """
     multiple_of: int = 1
     divisor_of: int | None = None
@@ -152,11 +154,23 @@ class Sizes:
         while rest:
             m = next((m for m in range(rest, 0, -1) if self.valid(m)), 0)
             if not m:
-                out[-1] += rest
+                self._borrow_or_merge(out, rest)
                 break
             out.append(m)
             rest -= m
         return out
+
+    def _borrow_or_merge(self, out: list[int], rest: int) -> None:
+        """``rest`` makes no valid micro-batch: it takes samples from the
+        last one where both stay valid, else joins it."""
+        last = out[-1]
+        take = next((k for k in range(1, last) if self.valid(last - k) and
+                     self.valid(rest + k)), 0)
+        if take:
+            out[-1] -= take
+            out.append(rest + take)
+        else:
+            out[-1] += rest
 
 
 def split(batch: Any, n: int, size: int, sizes: Sizes | None = None) -> list:

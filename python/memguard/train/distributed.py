@@ -100,9 +100,10 @@ class Peers:
         self._armed = False    # a synchronising forward may have run this attempt
         self._flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self.collectives = 0   # all-reduces issued, for tests and telemetry
-        # the votes' tensors, made once: a vote after an out-of-memory error
-        # must not allocate under the budget that was just exhausted
-        width = 2 + len(self.params())
+        # the votes' tensors, made once (for every parameter, whether or not
+        # it trains now): a vote after an out-of-memory error must not
+        # allocate under the budget that was just exhausted
+        width = 2 + (len(list(self.ddp.parameters())) if self.ddp is not None else 0)
         self._host = torch.zeros(width, dtype=torch.int64)
         self._wire = self._host if self.device.type == "cpu" else \
             torch.zeros(width, dtype=torch.int64, device=self.device)

@@ -56,23 +56,9 @@ from typing import Any, Callable
 import torch
 
 from memguard.train import batch as _batch
+from memguard.train.snapshot import Rng
 
 __all__ = ["gradcache_backward"]
-
-
-class _RngState:
-    """The CPU generator's state, and every CUDA device's where CUDA is
-    initialised (touching CUDA here would initialise it, which a CPU run
-    must not pay for; a model or batch on the GPU has initialised it)."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
 
 
 def _grad_leaves(x: Any) -> list[torch.Tensor]:
@@ -168,11 +154,11 @@ def gradcache_backward(batch: Any, n: int, micro: int, embed_fn: Callable[[Any],
 
     # 1. Embeddings without graphs; the RNG state before each micro-batch
     #    is what its replay starts from.
-    states: list[_RngState] = []
+    states: list[Rng] = []
     cached: list[Any] = []
     with torch.no_grad():
         for part, m in zip(parts, sizes):
-            states.append(_RngState())
+            states.append(Rng())
             emb = embed_fn(part)
             _check_per_sample(emb, m)
             cached.append(emb)
@@ -190,7 +176,7 @@ def gradcache_backward(batch: Any, n: int, micro: int, embed_fn: Callable[[Any],
     grads = [t.grad for t in leaves]
     loss_value = float(loss.detach())
     del loss, leaves
-    after = _RngState()   # the loss may draw too (sampled negatives)
+    after = Rng()   # the loss may draw too (sampled negatives)
 
     # 3. Replay each micro-batch with a graph, backpropagating its slice.
     no_sync = getattr(model, "no_sync", None)

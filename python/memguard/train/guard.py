@@ -66,22 +66,22 @@ class _OneLoop:
     second thread, while one runs, would interleave two transactions over
     one planner and one model. Refused, naming the thread that runs.
 
-    Each step or inference under way is an entry, held weakly: an entry
-    lives exactly as long as the ``with`` block that made it, so an
-    interrupt that lands anywhere (even in ``__exit__``, before it could
-    deregister) cannot leave the loop taken."""
+    Each step or inference under way is an entry, held weakly, and counted
+    only while the call that made it is on its thread's stack: no interrupt,
+    wherever it lands (even in ``__exit__``, before it could deregister, or
+    with its traceback kept), can leave the loop taken."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()      # guards the check-and-add of an entry
+        self._lock = threading.Lock()      # guards _entries
         self._entries: weakref.WeakSet[_Entry] = weakref.WeakSet()
 
     def enter(self, what: str) -> _Entry:
-        return _Entry(self, what)
+        return _Entry(self, what, sys._getframe(1))
 
     def _add(self, entry: _Entry) -> None:
         me = threading.current_thread()
         with held(), self._lock:          # an interrupt in `with lock:` can skip its __exit__
-            live = list(self._entries)
+            live = [e for e in self._entries if e.running()]
             other = next((e.thread for e in live if e.thread is not me), None)
             if other is not None:
                 raise RuntimeError(
@@ -93,19 +93,35 @@ class _OneLoop:
                                    "guard (from loss_fn or a hook): steps do not nest")
             self._entries.add(entry)
 
+    def _drop(self, entry: _Entry) -> None:
+        with self._lock:
+            self._entries.discard(entry)
+
 
 class _Entry:
     """One step or inference under way (see :class:`_OneLoop`)."""
 
-    def __init__(self, loop: _OneLoop, what: str) -> None:
-        self.loop, self.what = loop, what
+    def __init__(self, loop: _OneLoop, what: str, frame: Any) -> None:
+        self.loop, self.what, self.frame = loop, what, frame
         self.thread = threading.current_thread()
+
+    def running(self) -> bool:
+        """Whether the call that made this entry is still on its thread's stack."""
+        if self.thread is threading.current_thread():
+            top = sys._getframe()
+        else:
+            top = sys._current_frames().get(self.thread.ident)
+        while top is not None:
+            if top is self.frame:
+                return True
+            top = top.f_back
+        return False
 
     def __enter__(self) -> None:
         self.loop._add(self)
 
     def __exit__(self, *exc: object) -> None:
-        self.loop._entries.discard(self)
+        self.loop._drop(self)
 
 
 class Guard:

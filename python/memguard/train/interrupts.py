@@ -10,7 +10,8 @@ windows: inside it, every signal that has a Python handler is recorded
 instead of handled, and the handlers run, in arrival order, as the block
 ends (after the commit, or after the roll back). A signal that arrives a
 second time while held is handled at once: a user who presses Ctrl-C twice
-gets out even of a commit that hangs.
+gets out even of a commit that hangs. A handler installed during the block
+that chains to the one it found (the block's) reaches the original one.
 
 Signals are only held in the main thread (the only one Python runs signal
 handlers in: a step on another thread is never interrupted by one). Signals
@@ -41,7 +42,8 @@ class held:
         self._saved: dict[int, object] = {}     # the handlers swapped out, while held
         self._handlers: dict[int, object] = {}  # the same, once put back
         self._pending: list[int] = []
-        self._hold = self._record          # one bound method, compared by identity
+        self._over = False                      # the block ended
+        self._hold = self._record               # one bound method, compared by identity
 
     def __enter__(self) -> held:
         if threading.current_thread() is not threading.main_thread():
@@ -63,9 +65,13 @@ class held:
         self._deliver()
 
     def _record(self, signum: int, frame: object) -> None:
+        if self._over:                     # a handler set meanwhile kept ours to chain to
+            self._forward(signum, frame)
+            return
         if signum in self._pending:        # the second one: the user insists
             self._put_back()
             self._deliver()
+            self._forward(signum, frame)   # (an outer block, holding too, sees it twice)
             return
         self._pending.append(signum)
 
@@ -74,13 +80,24 @@ class held:
         for s, h in saved.items():
             if _signal.getsignal(s) is self._hold:
                 _signal.signal(s, h)
-        self._handlers = saved
+        self._handlers.update(saved)
+        self._over = True
+
+    def _forward(self, signum: int, frame: object) -> None:
+        h = self._handlers.get(signum)
+        if callable(h):
+            h(signum, frame)
 
     def _deliver(self) -> None:
-        """Run the held signals' handlers; the first that raises ends it
-        (its exception comes out of the block)."""
+        """Run the held signals' handlers, each once, in arrival order; the
+        first exception one raises comes out of the block after the others
+        ran."""
         pending, self._pending = self._pending, []
+        error: BaseException | None = None
         for s in pending:
-            h = self._handlers.get(s)
-            if callable(h):
-                h(s, sys._getframe(1))
+            try:
+                self._forward(s, sys._getframe(1))
+            except BaseException as exc:   # noqa: BLE001 - each handler runs, the first error wins
+                error = error or exc
+        if error is not None:
+            raise error

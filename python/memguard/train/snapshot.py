@@ -15,7 +15,11 @@ gradients and the optimizer's update.
   storage is copied; a tensor whose ``.data`` ``pre_step`` reassigns keeps
   its old data aside. Its cost: a copy of what ``pre_step`` writes (or the
   old data it replaced), until the step ends, and a Python call per tensor
-  operation inside ``pre_step``.
+  operation inside ``pre_step``. That copy is memguard's own memory, and
+  gives way: when it cannot be made, or the optimizer step needs the room,
+  it is dropped, and a step rolled back after that keeps what ``pre_step``
+  did, with a warning. A module attribute ``pre_step`` reassigns (a buffer
+  set to a new tensor) and Python state (a learning rate) are not recorded.
 """
 from __future__ import annotations
 
@@ -100,7 +104,8 @@ def _copy_back(t: torch.Tensor, saved: torch.Tensor) -> None:
 
 class Rng:
     """The CPU generator's state, and every CUDA device's where CUDA is
-    initialised (reading it would initialise it otherwise)."""
+    initialised (touching CUDA here would initialise it, which a CPU run
+    must not pay for; a model or batch on the GPU has initialised it)."""
 
     def __init__(self) -> None:
         self.cpu = torch.get_rng_state()
@@ -114,25 +119,40 @@ class Rng:
 
 class PreStepUndo:
     """``pre_step`` run once, with what it writes recorded so that
-    :meth:`undo` can put it back (see the module docs)."""
+    :meth:`undo` can put it back (see the module docs). A write it cannot
+    record (a copy that runs out of memory, a tensor without a storage of
+    its own) stops the recording: ``pre_step`` goes on as in a plain loop,
+    and :attr:`complete` says that an undo would not be whole."""
 
     def __init__(self) -> None:
         self.rng = Rng()
         self._storages: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._data: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.complete = True
 
     def run(self, pre_step: Callable[[], Any]) -> None:
-        with _DataLog(self._data), _WriteLog(self._storages):
+        with _DataLog(self._data), _WriteLog(self):
             pre_step()
 
-    def undo(self) -> None:
-        """Everything ``pre_step`` wrote, and the RNG, as before it."""
+    def give_up(self) -> None:
+        """Stop recording and free what was kept (memory is short): a
+        rolled-back step will leave what ``pre_step`` did."""
+        self._storages.clear()
+        self._data.clear()
+        self.complete = False
+
+    def undo(self) -> bool:
+        """Everything ``pre_step`` wrote, and the RNG, as before it; whether
+        that was whole (see :attr:`complete`)."""
+        if not self.complete:
+            return False
         with torch.no_grad():
             for storage, saved in self._storages.values():
                 storage.copy_(saved)
             for t, old in reversed(self._data):
                 _DATA.__set__(t, old)
         self.rng.restore()
+        return True
 
 
 #: the C descriptor behind every tensor's ``.data``
@@ -143,52 +163,67 @@ class _DataLog:
     """Records, for every tensor whose ``.data`` this thread reassigns while
     it is active, the data it had. ``.data = ...`` is no tensor operation
     (no dispatch mode sees it): ``torch.Tensor.data`` is shadowed by a
-    property for the while, and put back after."""
+    property while any thread records, and put back after the last one;
+    the property logs into the list of the thread that sets, if it records."""
+
+    _lock = threading.Lock()      # guards _users and the shadowing property
+    _users = 0                    # threads recording now
+    _local = threading.local()    # .log: this thread's list while it records
 
     def __init__(self, log: list) -> None:
         self.log = log
-        self._had: Any = None
 
     def __enter__(self) -> _DataLog:
-        me, log = threading.get_ident(), self.log
-
-        def reassign(t: torch.Tensor, value: torch.Tensor) -> None:
-            if threading.get_ident() == me:
-                log.append((t, _DATA.__get__(t)))
-            _DATA.__set__(t, value)
-
-        self._had = torch.Tensor.__dict__.get("data")
-        torch.Tensor.data = property(_DATA.__get__, reassign)
+        cls = type(self)
+        with cls._lock:
+            if not cls._users:
+                torch.Tensor.data = property(_DATA.__get__, _reassign)
+            cls._users += 1
+        cls._local.log = self.log
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._had is None:
-            del torch.Tensor.data
-        else:
-            torch.Tensor.data = self._had
+        cls = type(self)
+        cls._local.log = None
+        with cls._lock:
+            cls._users -= 1
+            if not cls._users and isinstance(torch.Tensor.__dict__.get("data"), property):
+                del torch.Tensor.data
+
+
+def _reassign(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.data = value``, the old data logged where this thread records."""
+    log = getattr(_DataLog._local, "log", None)
+    if log is not None:
+        log.append((t, _DATA.__get__(t)))
+    _DATA.__set__(t, value)
 
 
 class _WriteLog(TorchDispatchMode):
     """Copies each storage an operation is about to write in place, the
     first time (its schema marks the argument written: ``Tensor(a!)``)."""
 
-    def __init__(self, storages: dict) -> None:
+    def __init__(self, undo: PreStepUndo) -> None:
         super().__init__()
-        self.storages = storages
+        self.undo = undo
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    self._keep(t)
+        if self.undo.complete:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        self._keep(t)
         return func(*args, **kwargs)
 
     def _keep(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        if key not in self.storages and storage.nbytes():
-            self.storages[key] = (storage, storage.clone())
+        try:
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if key not in self.undo._storages and storage.nbytes():
+                self.undo._storages[key] = (storage, storage.clone())
+        except Exception:          # noqa: BLE001 - out of memory, or no storage to copy
+            self.undo.give_up()

@@ -283,10 +283,16 @@ class Transaction:
         if acc.scaler is None:
             check_finite(acc.loss)
         acc.prepare()
-        g = self.g
-        return optimizer_step(self.a.optimizer, acc.apply,
-                              lambda: g.gc.relieve("optimizer", force=True),
-                              need=g.update_need, meter=g.boundary.peak, scaler=acc.scaler)
+        return optimizer_step(self.a.optimizer, acc.apply, self._relieve_for_update,
+                              need=self.g.update_need, meter=self.g.boundary.peak,
+                              scaler=acc.scaler)
+
+    def _relieve_for_update(self) -> None:
+        """Room for an optimizer step that is short of it: memguard's own
+        record of pre_step's writes goes first, then a relief."""
+        if self.pre_undo is not None:
+            self.pre_undo.give_up()
+        self.g.gc.relieve("optimizer", force=True)
 
     def _warn_changed_buffers(self) -> None:
         """Once per buffer: a ``restore`` buffer that a split step's forward
@@ -308,8 +314,12 @@ class Transaction:
         self.acc.reset()
         if self.snapshot is not None:
             self.snapshot.restore()
-        if self.pre_undo is not None:
-            self.pre_undo.undo()
+        if self.pre_undo is not None and not self.pre_undo.undo():
+            warnings.warn(
+                "memguard: the step was rolled back, but what pre_step did was kept: its "
+                "record was dropped (memory was short, or pre_step wrote a tensor without a "
+                "storage of its own); redoing this batch repeats pre_step", UserWarning,
+                stacklevel=5)
         if self.peers is not None:
             self.peers.reset()
         if self.a.scaler is not None:
@@ -497,12 +507,14 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
     n = _batch.checked_size(batch)
     micro, start, outs, tried = min(guard.micro_batch or n, n), 0, [], []
     sizes = guard.config.sizes
+    parts = sizes.of(n, micro)
     with torch.no_grad():
         while start < n:
-            stop = start + sizes.of(n - start, micro)[0]
+            stop = start + parts[0]
             try:
                 outs.append(_batch.detach(fn(_batch.slice_(batch, start, stop))))
                 start = stop
+                parts.pop(0)
                 continue
             except Exception as exc:
                 if not is_oom(exc):
@@ -512,6 +524,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
                 micro = guard.planner.oom(micro)
                 if not micro:
                     raise gave_up(tried, guard.config.min_micro_batch, exc) from exc
+                parts = sizes.of(n - start, micro)
             guard.gc.relieve_oom()     # out of the except block: its frames are gone
             guard.ooms_recovered += 1
     return _batch.concat(outs)

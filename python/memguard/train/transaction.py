@@ -76,8 +76,8 @@ class NonFiniteLossError(ValueError):
 
 class OptimizerOOMError(RuntimeError):
     """The optimizer step ran out of memory: rolled back after a second
-    try (``rolled_back``), or part-way through an update that could not be
-    undone.
+    try (``rolled_back``), or refused before it began because it cannot fit,
+    or part-way through an update that could not be undone.
 
     Attributes:
         needed_bytes: what the update allocates (state it creates and
@@ -90,7 +90,7 @@ class OptimizerOOMError(RuntimeError):
     """
 
     def __init__(self, needed: int, state: int, held: int, budget: int, room: int | None,
-                 rolled_back: bool, why: str = "") -> None:
+                 rolled_back: bool, why: str = "", begun: bool = True) -> None:
         self.needed_bytes, self.state_bytes = needed, state
         self.held_bytes, self.budget_bytes, self.room_bytes = held, budget, room
         self.rolled_back = rolled_back
@@ -99,7 +99,14 @@ class OptimizerOOMError(RuntimeError):
             if budget and room is not None else "")
         needs = f"it allocates about {size(needed)}" + (
             f" ({size(state)} of it new state)" if state else "")
-        if rolled_back:
+        if not begun:
+            super().__init__(
+                f"the optimizer step cannot fit, also after memory was relieved: {needs} (as "
+                f"measured at the last steps), while {have}; it was not begun, and the step "
+                f"was rolled back (parameters, gradients, buffers and optimizer state as before "
+                f"it): raise the budget, hold less outside the step, or use an optimizer with "
+                f"less state")
+        elif rolled_back:
             super().__init__(
                 f"the optimizer step ran out of memory, also after memory was relieved: "
                 f"{needs}, while {have}; the step was rolled back (parameters, gradients, "
@@ -221,9 +228,15 @@ class Need:
               peak_above: int) -> None:
         """An update of ``params`` that created no state peaked
         ``peak_above`` bytes (as the budget counts them) above what was held
-        before it."""
-        self._temps[optimizer] = ((len(params), sum(p.nbytes for p in params)),
-                                  max(0, peak_above))
+        before it. The least such reading is kept: each is the update's own
+        need plus whatever other threads allocated meanwhile, so the least
+        is the closest one, and never below the need."""
+        key = (len(params), sum(p.nbytes for p in params))
+        was = self._temps.get(optimizer)
+        least = max(0, peak_above)
+        if was is not None and was[0] == key:
+            least = min(least, was[1])
+        self._temps[optimizer] = (key, least)
 
 
 def _inner(optimizer: Any) -> Any:
@@ -242,7 +255,7 @@ class _Undo:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  scaler: Any, backup: bool) -> None:
-        self.optimizer = optimizer
+        self.optimizer, self.scaler = optimizer, scaler
         self.fresh = [p for p in params if not optimizer.state.get(p)]
         written = list(params) + _scale_tensors(scaler)
         plain: list[tuple[dict, str, Any]] = []
@@ -290,6 +303,7 @@ class _Undo:
             return False
         for p in self.fresh:
             self.optimizer.state.pop(p, None)
+        _unstep(self.scaler, self.optimizer)
         return True
 
     def _restore(self) -> None:
@@ -339,14 +353,16 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
     """
     need = need if need is not None else Need()
     params = _touched(optimizer)
+    meter = meter if meter is not None and _measures(meter, params) else None
     for attempt in range(2):
         needed, state, measured = need.of(optimizer, params)
         room = _room(params)
-        if room is not None and room[0] < needed:
+        if not attempt and room is not None and room[1] < needed:   # even counting all
             relieve()
             room = _room(params)
         if measured and room is not None and room[1] < needed:   # it cannot fit: never begin
-            raise OptimizerOOMError(needed, state, *_held(params), room[1], rolled_back=True)
+            raise OptimizerOOMError(needed, state, *_held(params), room[1], rolled_back=True,
+                                    begun=False)
         undo = _undo_for(optimizer, params, scaler, needed, room and room[0])
         before = meter.now() if meter is not None else None
         try:
@@ -376,6 +392,12 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
     raise AssertionError("unreachable")
 
 
+def _measures(meter: Any, params: list[torch.Tensor]) -> bool:
+    """Whether the step's peak meter counts the memory the parameters live
+    in (a CPU batch may feed a model on a GPU)."""
+    return bool(params) and meter.source == ("cuda" if params[0].is_cuda else "arena")
+
+
 def _undo_for(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], scaler: Any,
               needed: int, room: int | None) -> _Undo:
     """How the update will be undone: with a backup where an out-of-memory
@@ -392,6 +414,17 @@ def _undo_for(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], scal
         if not is_oom(exc):
             raise
         return _Undo(optimizer, params, scaler, False)
+
+
+def _unstep(scaler: Any, optimizer: Any) -> None:
+    """An update undone after the AMP scaler recorded it as stepped (its
+    ``update()`` failed): the scaler's record goes back to unscaled, so the
+    retry steps with the gradients it already unscaled."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    st = states.get(id(optimizer)) if isinstance(states, dict) else None
+    stage = st.get("stage") if st else None
+    if getattr(stage, "name", None) == "STEPPED":
+        st["stage"] = type(stage).UNSCALED
 
 
 def check_finite(loss: float) -> None:
