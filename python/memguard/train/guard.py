@@ -165,9 +165,8 @@ class Guard:
         self.boundary = Boundary(self.room, self.signals, self.planner, self.gc)
         self._peers: Peers | None = None
         self._peers_checked = False
-        self._warned: set[str] = set()   # restore buffers warned about
-        #: what each optimizer's updates allocate, learnt at each update
-        self.update_need = Need()
+        self._warned: set[str] = set()   # what was warned about once (buffers, a remainder)
+        self.update_need = Need()        # what each optimizer's updates allocate, learnt
         self._evaluating = 0
         self._loop = _OneLoop()
         self.installed = False
