@@ -284,7 +284,8 @@ def test_split_property(n, size, width):
     batch = {"x": x, "names": [str(i) for i in range(n)], "t": torch.tensor(7)}
     parts = _batch.split(batch, n, size)
     sizes = [_batch.batch_size(p) for p in parts]
-    assert sum(sizes) == n and max(sizes) <= max(size, 2) or sizes == [n]
+    assert sum(sizes) == n and (sizes == [n] or max(sizes[:-1]) <= size)
+    assert sizes[-1] <= size or sizes[-1] < 2 * size == 4   # 1 left at 2 can only merge
     assert min(sizes) > 1 or size == 1 or n == 1
     assert sizes[:-2] == [size] * len(sizes[:-2])    # only the last two may differ
     for p in parts:

@@ -1013,11 +1013,14 @@ def test_data_reassigned_by_two_threads_pre_steps_is_logged_apart():
             barrier.wait()
         undo.run(pre_step)
 
+    import torch.utils._python_dispatch as dispatch
+    flag = dispatch._is_in_torch_dispatch_mode   # torch's own, process-wide and racy
     threads = [threading.Thread(target=run, args=(u, t)) for u, t in zip(undos, (a, b))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    dispatch._is_in_torch_dispatch_mode = flag
     assert [[x for x, _ in u._data] for u in undos] == [[a], [b]]
     assert "data" not in torch.Tensor.__dict__
     assert undos[0].undo() and torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.ones(3))

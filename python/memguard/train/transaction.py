@@ -56,7 +56,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from memguard import _C
 from memguard._common import size
@@ -269,7 +268,7 @@ class _Undo:
         # versions count writes of torch.optim's updates, not under a
         # dispatch mode (foreach operations skip them there)
         self._trusted = type(_inner(optimizer)).step.__module__.startswith("torch.") and \
-            not is_in_torch_dispatch_mode()
+            not torch._C._len_torch_dispatch_stack()   # this thread's modes
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.state: dict[torch.Tensor, dict] = {}
         if backup:
