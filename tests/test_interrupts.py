@@ -242,6 +242,7 @@ def _memguard_lines(sig: int, at: int) -> tuple:
     return tracer, seen
 
 
+@pytest.mark.parametrize("interrupt", ["SIGINT"], indirect=True)   # SIGTERM: the tests above
 def test_a_signal_at_any_line_of_a_step_leaves_it_rolled_back_or_committed(interrupt):
     """Line by line through a whole step split into 4: wherever the signal
     lands, the step ends rolled back (state and count as before) or

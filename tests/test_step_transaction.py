@@ -302,17 +302,18 @@ def test_an_oom_at_any_operation_of_a_for_loop_update_without_a_backup(kind, whi
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_first_update_under_any_room_commits_or_is_undone_or_says_it_is_not(arena, kind):
     """Adam's or SGD's first step (its state created) under a real budget
-    that leaves the update a room from none to all it needs, in 24 steps:
+    that leaves the update a room from none to more than all it needs, in
+    12 steps:
     the update commits, or is rolled back exactly, or (out of memory
     part-way, with no room for a backup) says it could not be rolled back
     and was never run twice."""
     want = state_of(*reference(kind, 8, 512))
     after = committed_after(kind, 0, 512)
     outcomes = set()
-    for k in range(24):
+    for k in range(12):
         calls: list = []
         errors, before, model, opt = run_with_fault(
-            kind, 0, lambda needed, backup, k=k: needed * k // 20,
+            kind, 0, lambda needed, backup, k=k: needed * k // 10,
             lambda opt, calls=calls: count_steps(opt, calls), wide=512)
         outcomes.add(check_outcome(errors, before, after, model, opt, want, calls))
     assert "undone" in outcomes

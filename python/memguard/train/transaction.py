@@ -238,6 +238,10 @@ class Need:
         self._temps[optimizer] = (key, least)
 
 
+#: state values kept as they are (no copy) by an undo
+_IMMUTABLE = (int, float, bool, complex, str, bytes, type(None))
+
+
 def _inner(optimizer: Any) -> Any:
     """The optimizer inside a wrapper that steps it (Lightning's
     ``LightningOptimizer``, a subclass made of the optimizer's own class,
@@ -255,15 +259,19 @@ class _Undo:
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
                  scaler: Any, backup: bool) -> None:
         self.optimizer, self.scaler = optimizer, scaler
-        self.fresh = [p for p in params if not optimizer.state.get(p)]
+        state = optimizer.state
+        self.fresh = [p for p in params if not state.get(p)]
         written = list(params) + _scale_tensors(scaler)
         plain: list[tuple[dict, str, Any]] = []
         for p in params:
-            st = optimizer.state.get(p) or {}
-            written += _tensors(st)
-            plain += [(st, k, copy.deepcopy(v)) for k, v in st.items()
-                      if not isinstance(v, torch.Tensor)]
-        self._versions = [(t, t._version) for t in written]
+            for k, v in (state.get(p) or {}).items():
+                if isinstance(v, torch.Tensor):
+                    written.append(v)
+                else:
+                    plain.append((state[p], k, v if isinstance(v, _IMMUTABLE) else
+                                  copy.deepcopy(v)))
+        self._written = written
+        self._versions = [t._version for t in written]
         self._plain = plain
         # versions count writes of torch.optim's updates, not under a
         # dispatch mode (foreach operations skip them there)
@@ -291,7 +299,7 @@ class _Undo:
     def written(self) -> int:
         """How many parameters, state tensors and state values the update
         wrote (0: it had not begun, as far as version counters see)."""
-        n = sum(t._version != v for t, v in self._versions)
+        n = sum(t._version != v for t, v in zip(self._written, self._versions))
         return n + sum(k not in st or st[k] != v for st, k, v in self._plain)
 
     def roll_back(self) -> bool:
