@@ -352,3 +352,23 @@ def test_ctrl_c_twice_gets_out_of_nested_blocks(interrupt):
             done.append(2)
         done.append(3)
     assert done == [1]
+
+
+def test_an_interrupt_raised_by_post_step_says_the_step_was_committed(interrupt):
+    """post_step itself raising KeyboardInterrupt or SystemExit (it runs
+    after the commit): the exception comes out as it is, with a note that
+    the step was committed and counted, and the count says so."""
+    _, exc = interrupt
+    model, opt = make("sgd-single")
+    g = Guard(budget=None, micro_batch=8, allocator=False)
+    data = batches(2)
+
+    def post_step(aux):
+        raise exc()
+
+    with pytest.raises(exc) as got:
+        g.step(data[0], loss_of(model), opt, post_step=post_step)
+    assert g.steps == 1
+    assert any("step 0 was committed and counted" in n for n in got.value.__notes__)
+    g.step(data[1], loss_of(model), opt)
+    assert g.steps == 2
