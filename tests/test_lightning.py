@@ -6,6 +6,8 @@ the run. (2-process DDP: tests/test_examples.py runs dreams_lightning.py.)"""
 from __future__ import annotations
 
 import csv
+import json
+import signal
 import types
 
 import pytest
@@ -343,3 +345,113 @@ def test_an_oom_as_adam_creates_its_state_under_lightning_is_rolled_back_and_ret
     assert guarded.failed and cb.guard.steps == N // BATCH
     for p, q in zip(plain.parameters(), guarded.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class RaisesAt(Guarded):
+    """Raises from the training step of batch ``at`` (a bad batch)."""
+
+    at = 2
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == self.at:
+            raise _Boom("a bad batch")
+        return Plain.training_step(self, batch, batch_idx)
+
+
+class RaisingCallback(L.Callback):
+    """A callback that stops the run with the exception given (an Optuna
+    prune, a failed resume)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def on_train_batch_end(self, *args) -> None:
+        raise self.exc
+
+
+@pytest.mark.parametrize("how", ["training_step", "callback", "interrupt"])
+def test_a_fit_that_raises_uninstalls_the_guard_and_the_next_fit_runs(tmp_path, how):
+    cb = MemGuardCallback(budget=None, tensor_budget="256MiB", micro_batch=4)
+    model, callbacks = (RaisesAt(), [cb]) if how == "training_step" else (Guarded(), [cb])
+    if how != "training_step":
+        exc = KeyboardInterrupt() if how == "interrupt" else _Boom("pruned")
+        callbacks.append(RaisingCallback(exc))
+    t = trainer(tmp_path / "a", callbacks)
+    if how == "interrupt":         # Lightning's graceful shutdown: sys.exit(1)
+        sigint = signal.getsignal(signal.SIGINT)
+        try:
+            with pytest.raises(SystemExit):
+                t.fit(model, data())
+        finally:                   # Lightning ignores SIGINT from there on
+            signal.signal(signal.SIGINT, sigint)
+    else:
+        with pytest.raises(_Boom):
+            t.fit(model, data())
+    assert not cb.guard.installed
+    assert memguard.memory.arena.stats()["budget_bytes"] == 0     # the budget went with it
+    again = MemGuardCallback(budget=None, micro_batch=4)
+    t = trainer(tmp_path / "b", [again])
+    t.fit(Guarded(), data())
+    assert again.guard.steps == t.global_step == 2 * N // BATCH
+    assert not again.guard.installed
+
+
+def test_a_module_without_callback_ends_its_guard_when_the_fit_raises(tmp_path):
+    model = RaisesAt()
+    with pytest.raises(_Boom):
+        trainer(tmp_path / "a").fit(model, data())
+    assert "_memguard_own" not in model.__dict__
+    t = trainer(tmp_path / "b")
+    t.fit(Guarded(), data())             # would find the first guard still installed
+    assert t.global_step == 2 * N // BATCH
+
+
+class WideMLP(MemGuardModule, L.LightningModule):
+    """256 -> 4096 -> 1, trained at batch 64 and validated at 8192: the
+    validation forward allocates 128 MiB at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.ReLU(),
+                                       torch.nn.Linear(4096, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def wide_data(n: int, batch: int) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 256, generator=g),
+                                        torch.randn(n, 1, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=batch)
+
+
+def test_validation_past_the_tensor_budget_is_served_and_reported(tmp_path):
+    """The budget refuses inside the guarded training steps only: the
+    unguarded validation forward (128 MiB under a 200 MiB budget beside
+    the model) is served, with a warning naming the stage and an event."""
+    events = tmp_path / "t.jsonl"
+    cb = MemGuardCallback(budget=None, tensor_budget="200MiB", telemetry=str(events))
+    t = trainer(tmp_path, [cb], max_epochs=1, num_sanity_val_steps=0)
+    with pytest.warns(memguard.BudgetOverrunWarning, match="validate stage"):
+        t.fit(WideMLP(), wide_data(256, 64), wide_data(8192, 8192))
+    assert t.global_step == 4 and cb.guard.steps == 4
+    assert "val_loss" in t.callback_metrics
+    overruns = [r for r in map(json.loads, events.read_text().splitlines())
+                if r.get("event") == "overrun"]
+    assert overruns and overruns[0]["where"] == "in Lightning's validate stage"
+    assert overruns[0]["last_bytes"] >= 128 << 20
+    assert cb.guard.ooms_recovered == 0

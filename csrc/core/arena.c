@@ -96,6 +96,10 @@ static struct {
     _Atomic uint64_t requested, requested_peak, cached, budget, cache_limit;
     _Atomic uint64_t n_alloc, n_free, n_hit, n_oom, n_trim, trimmed, last_oom, decayed;
     _Atomic uint32_t epoch;    /* step boundaries counted by mg_arena_decay */
+    /* Soft budget (mg_arena_set_soft): outside strict sections, a request
+     * the budget refuses is served and counted instead. */
+    _Atomic int soft, strict;
+    _Atomic uint64_t n_over, last_over;
 } A;
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -386,11 +390,33 @@ static uint64_t release_cache(uint64_t keep, int try)
  * add-then-roll-back: a transient overshoot would be seen by stats readers
  * and would make a racing allocation fail although both fit. */
 static int reserve_tree(uint64_t bytes);
+static int reserve_own(uint64_t bytes);
+static int overrun(uint64_t bytes);
 
 static int reserve(uint64_t bytes)
 {
     if (T)
         return reserve_tree(bytes);
+    return reserve_own(bytes) == 0 ? 0 : overrun(bytes);
+}
+
+/* A request the budget refused: ENOMEM, or under a soft budget outside a
+ * strict section, the whole cache released and the request served past the
+ * budget, counted for the Python side to report. */
+static int overrun(uint64_t bytes)
+{
+    if (!atomic_load_explicit(&A.soft, memory_order_relaxed) ||
+        atomic_load(&A.strict) > 0)
+        return ENOMEM;
+    release_cache(0, 1);
+    peak(&A.reserved_peak, add_reserved(bytes));
+    atomic_fetch_add_explicit(&A.n_over, 1, memory_order_relaxed);
+    atomic_store_explicit(&A.last_over, bytes, memory_order_relaxed);
+    return 0;
+}
+
+static int reserve_own(uint64_t bytes)
+{
     for (int attempt = 0;; attempt++) {
         uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
         if (!budget) {
@@ -902,7 +928,19 @@ int mg_arena_stats(mg_arena_stats_t *o)
     o->last_oom_bytes = atomic_load(&A.last_oom);
     o->decayed_bytes = atomic_load(&A.decayed);
     o->epoch = atomic_load(&A.epoch);
+    o->num_overruns = atomic_load(&A.n_over);
+    o->last_overrun_bytes = atomic_load(&A.last_over);
     return 0;
+}
+
+void mg_arena_set_soft(int soft)
+{
+    atomic_store(&A.soft, soft != 0);
+}
+
+void mg_arena_strict(int delta)
+{
+    atomic_fetch_add(&A.strict, delta);
 }
 
 void mg_arena_reset_peaks(void)

@@ -70,7 +70,7 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
     mg_arena_stats_t s;
     mg_arena_stats(&s);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
         "allocated_bytes.current", (unsigned long long)s.allocated_current,
         "allocated_bytes.peak", (unsigned long long)s.allocated_peak,
         "reserved_bytes.current", (unsigned long long)s.reserved_current,
@@ -92,7 +92,9 @@ PyObject *mgpy_arena_stats(PyObject *m, PyObject *unused)
         "last_oom_bytes", (unsigned long long)s.last_oom_bytes,
         "decayed_bytes", (unsigned long long)s.decayed_bytes,
         "epoch", (unsigned long long)s.epoch,
-        "tree_reserved_bytes", (unsigned long long)s.tree_reserved_bytes);
+        "tree_reserved_bytes", (unsigned long long)s.tree_reserved_bytes,
+        "num_overruns", (unsigned long long)s.num_overruns,
+        "last_overrun_bytes", (unsigned long long)s.last_overrun_bytes);
 }
 
 /* Set one of the arena's byte limits from a Python int (0: none). */
@@ -160,6 +162,33 @@ PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused)
     (void)m;
     (void)unused;
     mg_arena_reset_peaks();
+    Py_RETURN_NONE;
+}
+
+PyObject *mgpy_arena_set_soft(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    int soft = PyObject_IsTrue(arg);
+    if (soft < 0)
+        return NULL;
+    int rc = mg_arena_init();
+    if (rc)
+        return mgpy_raise(rc, "cannot reserve an address range for the arena");
+    mg_arena_set_soft(soft);
+    Py_RETURN_NONE;
+}
+
+PyObject *mgpy_arena_strict(PyObject *m, PyObject *arg)
+{
+    (void)m;
+    long delta = PyLong_AsLong(arg);
+    if (delta == -1 && PyErr_Occurred())
+        return NULL;
+    if (delta != 1 && delta != -1) {
+        PyErr_Format(PyExc_ValueError, "arena_strict takes +1 or -1, not %ld", delta);
+        return NULL;
+    }
+    mg_arena_strict((int)delta);
     Py_RETURN_NONE;
 }
 

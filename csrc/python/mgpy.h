@@ -53,6 +53,8 @@ PyObject *mgpy_arena_trim(PyObject *m, PyObject *args);
 PyObject *mgpy_arena_set_cache_limit(PyObject *m, PyObject *arg);
 PyObject *mgpy_arena_reset_peaks(PyObject *m, PyObject *unused);
 PyObject *mgpy_arena_decay(PyObject *m, PyObject *args);
+PyObject *mgpy_arena_set_soft(PyObject *m, PyObject *arg);
+PyObject *mgpy_arena_strict(PyObject *m, PyObject *arg);
 PyObject *mgpy_swap_in(PyObject *m, PyObject *unused);
 PyObject *mgpy_live_budget(PyObject *m, PyObject *args, PyObject *kw);
 PyObject *mgpy_system_trim(PyObject *m, PyObject *unused);

@@ -41,6 +41,10 @@ static PyMethodDef methods[] = {
     {"arena_trim", mgpy_arena_trim, METH_VARARGS,
      "arena_trim(keep=0) -> bytes given back to the kernel from the cache."},
     {"arena_reset_peaks", mgpy_arena_reset_peaks, METH_NOARGS, "Peaks := current values."},
+    {"arena_set_soft", mgpy_arena_set_soft, METH_O,
+     "arena_set_soft(bool): outside strict sections, serve and count what the budget refuses."},
+    {"arena_strict", mgpy_arena_strict, METH_O,
+     "arena_strict(+1 | -1): open or close a section where a soft budget refuses."},
     {"swap_in", mgpy_swap_in, METH_NOARGS,
      "swap_in() -> bytes the mappings held in swap: fault this process's swapped-out "
      "pages back in."},

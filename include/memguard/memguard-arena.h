@@ -33,7 +33,7 @@ extern "C" {
 #define MG_ARENA_API
 #endif
 
-#define MG_ARENA_STATS_VERSION 3
+#define MG_ARENA_STATS_VERSION 4
 
 /** Counters in PyTorch's vocabulary; bytes are block sizes except requested. */
 typedef struct mg_arena_stats {
@@ -53,6 +53,8 @@ typedef struct mg_arena_stats {
     uint64_t decayed_bytes;   /**< given back by mg_arena_decay, in all (version 3) */
     uint64_t epoch;           /**< step boundaries counted by mg_arena_decay (version 3) */
     uint64_t tree_reserved_bytes; /**< held against a shared budget by the tree (version 3; 0: none) */
+    uint64_t num_overruns;    /**< requests served past a soft budget (version 4) */
+    uint64_t last_overrun_bytes; /**< size of the last of them (version 4) */
 } mg_arena_stats_t;
 
 /** Create the arena (idempotent). ENOMEM when no address range could be reserved. */
@@ -93,6 +95,18 @@ MG_ARENA_API int mg_arena_decay(uint32_t age, uint64_t *freed);
 MG_ARENA_API int mg_arena_trim(uint64_t keep_bytes, uint64_t *freed);
 /** Copy the counters. */
 MG_ARENA_API int mg_arena_stats(mg_arena_stats_t *out);
+/**
+ * Make the budget soft (@p soft 1) or hard (0, the default). A hard budget
+ * refuses a request it cannot hold (ENOMEM); a soft one refuses only inside
+ * a strict section (mg_arena_strict), where the caller recovers from the
+ * refusal (a guarded step), and elsewhere releases the whole cache and
+ * serves the request past the budget, counting it (num_overruns). A shared
+ * tree budget (mg_arena_share_budget) is always hard.
+ */
+MG_ARENA_API void mg_arena_set_soft(int soft);
+/** Open (@p delta +1) or close (-1) a strict section: a soft budget
+ * refuses while any is open, in any thread. */
+MG_ARENA_API void mg_arena_strict(int delta);
 /** Reset the peaks to the current values. */
 MG_ARENA_API void mg_arena_reset_peaks(void);
 

@@ -38,6 +38,7 @@ _LAZY = {
     "NonFiniteLossError": "memguard.train.transaction",
     "OptimizerOOMError": "memguard.train.transaction",
     "PostStepError": "memguard.train.transaction",
+    "BudgetOverrunWarning": "memguard.train.overruns",
     "Accumulator": "memguard.train.accumulation",
     "accumulate": "memguard.train.accumulation",
     "BatchSizeResult": "memguard.train.finder",
@@ -68,7 +69,7 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     # memory
     "cuda", "install", "installed", "is_oom", "mps", "stats", "trim", "uninstall",
     # training
-    "Accumulator", "BatchSizeResult", "Guard", "GuardOOMError", "NonFiniteLossError",
+    "Accumulator", "BatchSizeResult", "BudgetOverrunWarning", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
     "find_batch_size",
     # integrations

@@ -47,3 +47,21 @@ def finite(v: Any) -> float | None:
 def is_auto(value: Any) -> bool:
     """Whether a budget is written ``"auto"`` (any case, any padding)."""
     return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def each(*parts: Any) -> None:
+    """Call every one of ``parts`` (callables taking nothing), in order,
+    even when some raise: teardown that stops at its first error leaves the
+    rest installed. The first error is raised once all have run, with the
+    later ones added as notes."""
+    first: BaseException | None = None
+    for part in parts:
+        try:
+            part()
+        except BaseException as e:  # noqa: BLE001 - raised below, after the rest
+            if first is None:
+                first = e
+            else:
+                first.add_note(f"memguard: teardown also raised {type(e).__name__}: {e}")
+    if first is not None:
+        raise first

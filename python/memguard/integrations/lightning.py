@@ -55,6 +55,12 @@ __all__ = ["MemGuardCallback", "MemGuardModule"]
 
 
 
+def _stage(trainer: Any) -> str | None:
+    """Where a Lightning run is, in words ("in Lightning's validate stage")."""
+    stage = getattr(getattr(trainer, "state", None), "stage", None)
+    return None if stage is None else f"in Lightning's {getattr(stage, 'value', stage)} stage"
+
+
 def _guard_of(trainer: Any) -> Guard | None:
     for cb in trainer.callbacks:
         if isinstance(cb, MemGuardCallback):
@@ -91,6 +97,7 @@ class MemGuardCallback(Callback):
     # -- lifecycle -----------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.guard.install()
+        self.guard.overruns.where = lambda: _stage(trainer)
         if self._pending is not None:
             self.guard.load_state_dict(self._pending)
             self._pending = None
@@ -102,6 +109,15 @@ class MemGuardCallback(Callback):
         self.guard.model = model if model is not pl_module else None
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # a fit that raises (Ctrl-C, a bad batch, a failed resume, a pruned
+        # trial) skips teardown: the next fit in the process needs the guard gone
+        self._end()
+
+    def _end(self) -> None:
+        self.guard.overruns.where = None
         self.guard.uninstall()
 
     # -- checkpoints ---------------------------------------------------------
@@ -202,12 +218,6 @@ class MemGuardModule:
         super().on_train_epoch_end()  # type: ignore[misc]
         _step_schedulers(self, "epoch")
 
-    def teardown(self, stage: str) -> None:
-        super().teardown(stage)  # type: ignore[misc]
-        # the guard made at the first step (no MemGuardCallback) ends with the run
-        guard = self.__dict__.pop("_memguard_own", None)
-        if guard is not None:
-            guard.uninstall()
 
     def memguard_post_step(self, aux: Any) -> None:
         """Called once per batch with the micro-batches' ``aux``, concatenated."""
@@ -224,7 +234,27 @@ class MemGuardModule:
                 guard.model = model if model is not self else None
                 guard.install()
                 self.__dict__["_memguard_own"] = guard
+                self.trainer.callbacks.append(_EndOwnGuard(self))
         return guard
+
+
+class _EndOwnGuard(Callback):
+    """Ends the guard a MemGuardModule made for itself (no MemGuardCallback)
+    with the run, however the run ends."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def _end(self) -> None:
+        guard = self.module.__dict__.pop("_memguard_own", None)
+        if guard is not None:
+            guard.uninstall()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._end()
 
 
 def _step_schedulers(module: Any, interval: str) -> None:

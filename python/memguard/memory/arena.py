@@ -115,6 +115,34 @@ def stats() -> dict[str, int]:
     return _C.arena_stats()
 
 
+def set_soft(soft: bool) -> None:
+    """Make the budget soft (``True``): outside :func:`strict` sections, an
+    allocation the budget cannot hold releases the whole cache and is served
+    past the budget, counted in ``num_overruns`` (and
+    ``last_overrun_bytes``), instead of failing. A guard installs its
+    tensor budget soft: only inside its steps, where a refusal is recovered,
+    does the budget refuse. ``False`` (the default) refuses everywhere.
+    The shared budget of ``memguard run --budget`` is always hard."""
+    _C.arena_set_soft(bool(soft))
+
+
+class strict:
+    """A section, in any thread, where a soft budget refuses what it cannot
+    hold (a guarded step's attempts, where the refusal is recovered)::
+
+        with arena.strict():
+            ...
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _C.arena_strict(1)
+
+    def __exit__(self, *exc: object) -> None:
+        _C.arena_strict(-1)
+
+
 def trim(keep: int = 0) -> int:
     """Give cached blocks back to the kernel until at most ``keep`` bytes stay
     cached. Returns the bytes released."""

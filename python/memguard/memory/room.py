@@ -161,6 +161,7 @@ class Room:
             was = arena.installed()
             arena.install(budget=state.arena_budget_bytes or None)
             self._installed_arena = not was
+            arena.set_soft(True)   # refused only inside steps (memguard.train.overruns)
         except RuntimeError as exc:   # not ELF, no libc10 imports: run without it
             return str(exc)
         return None
@@ -169,6 +170,7 @@ class Room:
         """Undo :meth:`install_arena`: the arena gives tensors back to the
         system allocator if it was installed here, with the budget it had."""
         self.manages_arena = False
+        arena.set_soft(False)
         if self._installed_arena:
             arena.uninstall()
             self._installed_arena = False

@@ -36,6 +36,8 @@ class Event(str, enum.Enum):
     CUDA_ADVICE = "cuda_advice"
     #: PyTorch's CUDA allocator ran out of memory
     CUDA_OOM = "cuda_oom"
+    #: tensors served past the soft tensor budget outside a guarded step
+    OVERRUN = "overrun"
 
     def __str__(self) -> str:
         return self.value

@@ -53,7 +53,8 @@ class Boundary:
         """A committed step at ``micro``: its peak, learnt by the planner
         (and by the room's cache bound, when the arena measured it)."""
         peak = self.peak.stop()
-        self.planner.end(micro, peak, self.floor)
+        # a lower bound (a mark nobody resets, not raised) teaches nothing
+        self.planner.end(micro, peak if self.peak.exact else 0, self.floor)
         if self.peak.source == "arena":
             self.room.record_peak(peak)
         return peak

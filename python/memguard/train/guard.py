@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from memguard._common import each
 from memguard.memory import arena
 from memguard.memory.gc_hooks import GcHooks
 from memguard.memory.room import Room
@@ -46,6 +47,7 @@ from memguard.train.boundary import Boundary
 from memguard.train.config import GuardConfig
 from memguard.train.distributed import Peers
 from memguard.train.interrupts import held
+from memguard.train.overruns import Overruns
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
 from memguard.train.step import GuardOOMError, Output, StepArgs, StepResult, Transaction, infer  # noqa: F401
@@ -163,6 +165,9 @@ class Guard:
         self.gc.on_event = self.signals.event
         self.planner = Plan(c, self.signals.event, lambda: self.on_critical and self.on_critical(self))
         self.boundary = Boundary(self.room, self.signals, self.planner, self.gc)
+        #: allocations past the tensor budget outside steps, reported
+        self.overruns = Overruns(self.signals.event, lambda: self.gc.relieve("overrun"))
+        self.signals.after_sample = self.overruns.check
         self._peers: Peers | None = None
         self._peers_checked = False
         self._warned: set[str] = set()   # what was warned about once (buffers, a remainder)
@@ -202,6 +207,7 @@ class Guard:
         try:
             if self.config.allocator and "torch" in sys.modules:
                 self.allocator_error = self.room.install_arena(self.signals.latest_sample())
+            self.overruns.start()
             self.signals.install(self.room.budget, live=self.budget is not None)
             self.gc.install()
         except BaseException:
@@ -216,17 +222,19 @@ class Guard:
     def uninstall(self) -> None:
         """Stop the gc hooks, the governor and the sampler; give tensors back
         to the system allocator if :meth:`install` routed them, with the
-        arena's budget as before. Idempotent."""
+        arena's budget as before. Every part runs even when one raises (the
+        first error is raised after, the guard unregistered last), so a new
+        guard can always be installed afterwards. Idempotent."""
         global _active
         if not self.installed:
             return
         self.installed = self.boundary.active = False
-        self.gc.uninstall()
-        self.signals.uninstall()
-        self.room.uninstall_arena()
-        with _active_lock:
-            if _active is self:
-                _active = None
+        try:
+            each(self.gc.uninstall, self.signals.uninstall, self.room.uninstall_arena)
+        finally:
+            with _active_lock:
+                if _active is self:
+                    _active = None
 
     def __enter__(self) -> Guard:
         return self.install()
@@ -332,6 +340,7 @@ class Guard:
             memguard.PostStepError: ``post_step`` failed after the commit.
         """
         with self._loop.enter("step"):
+            self.overruns.check()
             n = _batch.checked_size(batch)
             args = StepArgs(batch, n, loss_fn, optimizer, scaler, clip_grad_norm, post_step,
                             restore, embed_fn, backward, pre_step, before_optimizer_step)
@@ -359,6 +368,7 @@ class Guard:
                 yield self
         finally:
             self._evaluating -= 1
+            self.overruns.check()
             self.gc.relieve("evaluate", force=True)
 
     def infer(self, batch: Any, fn: Callable[[Any], Any]) -> Any:

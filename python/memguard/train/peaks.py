@@ -1,9 +1,12 @@
 """A step's peak memory, from the best source there is: memguard's arena when
 it serves tensors, the CUDA allocator for CUDA batches, else the process's
-own peak: on Linux its peak RSS (``VmHWM`` of ``/proc/self/status``, reset
-through ``/proc/self/clear_refs``), on macOS its peak footprint
-(``proc_pid_rusage``'s ``ri_interval_max_phys_footprint``, reset by
-``proc_reset_footprint_interval``).
+own peak: on Linux its peak RSS (``VmHWM`` of ``/proc/self/status``, read
+but never reset, so ``ru_maxrss``, ``VmHWM`` and ``/usr/bin/time`` stay
+true: a step's peak is known when it raised the mark), on macOS its peak
+footprint (``proc_pid_rusage``'s ``ri_interval_max_phys_footprint``, an
+interval counter reset by ``proc_reset_footprint_interval``). With
+PyTorch's CUDA allocator, ``torch.cuda``'s peak counters are read the same
+way, never reset.
 
 :func:`process_peak` gives the one reader of the process's peak for this
 system (the pytest plugin uses it too); :class:`PeakMeter` picks the source
@@ -157,10 +160,17 @@ class PeakMeter:
         self._device: Any = None
         self._index = 0
         self._memguard_cuda = False
+        self._mark: int | None = None   # the process's high-water mark at start()
+        self._floor = 0
+        #: whether :meth:`stop`'s figure is the step's own peak, not a bound
+        self.exact = True
 
     def start(self, batch: Any) -> int:
-        """Reset the peak for a step over ``batch``; returns what the source
-        holds now (the floor the step starts from; 0 where unknown)."""
+        """Mark the start of a step over ``batch``; returns what the source
+        holds now (the floor the step starts from; 0 where unknown). The
+        process's own peak counters (``VmHWM``, ``ru_maxrss``,
+        ``torch.cuda.max_memory_allocated``) are read, never reset: the
+        user's readings of them stay true."""
         from memguard.train.batch import leaves  # torch: loaded once a step runs
 
         first = next((x for x in leaves(batch) if hasattr(x, "is_cuda")), None)
@@ -168,12 +178,18 @@ class PeakMeter:
             return self._start_cuda(first.device)
         if arena.installed():
             self.source = "arena"
-            _C.arena_reset_peaks()
+            _C.arena_reset_peaks()               # memguard's own counters
             return int(_C.arena_stats()["allocated_bytes.current"])
-        self.source = "footprint" if isinstance(self._rss, FootprintPeak) else "rss"
-        if not self._rss.reset_peak():
-            return 0
-        return self._rss.read()[0] or 0
+        if isinstance(self._rss, FootprintPeak):
+            # macOS: an interval peak of its own, which only this resets
+            self.source = "footprint"
+            if not self._rss.reset_peak():
+                return 0
+            return self._rss.read()[0] or 0
+        self.source = "rss"
+        now, self._mark = self._rss.read()
+        self._floor = now or 0
+        return self._floor
 
     def _start_cuda(self, device: Any) -> int:
         torch = sys.modules["torch"]
@@ -184,14 +200,17 @@ class PeakMeter:
         if self._memguard_cuda:   # torch's own counters do not work then
             _C.cuda_reset_peaks(self._index)
             return int(_C.cuda_stats(self._index)["allocated_bytes.current"])
-        torch.cuda.reset_peak_memory_stats(device)
-        return int(torch.cuda.memory_allocated(device))
+        self._mark = int(torch.cuda.max_memory_allocated(device))
+        self._floor = int(torch.cuda.memory_allocated(device))
+        return self._floor
 
     def now(self) -> tuple[int, int] | None:
-        """(what the source holds now, its peak since :meth:`start`) where
-        the source counts tensors (the arena, a CUDA device), else ``None``.
-        Nothing is reset: a part of the step measured between two readings
-        is known exactly when it raised the peak."""
+        """(what the source holds now, its peak) where the source counts
+        tensors (the arena, a CUDA device), else ``None``. Nothing is reset:
+        a part of the step measured between two readings is known exactly
+        when it raised the peak. (With PyTorch's CUDA allocator the peak is
+        the process's, since torch's counters are not reset: a rise is
+        still the part's own.)"""
         if self.source == "arena":
             st = _C.arena_stats()
             return int(st[self._arena_key.replace(".peak", ".current")]), int(st[self._arena_key])
@@ -205,13 +224,31 @@ class PeakMeter:
             int(torch.cuda.max_memory_allocated(self._device))
 
     def stop(self) -> int:
-        """The peak since :meth:`start` (0 where unknown)."""
+        """The peak since :meth:`start` (0 where unknown). Where the
+        source is the process's own high-water mark (``rss``; ``cuda``
+        under PyTorch's allocator), which memguard does not reset, the peak
+        is exact when the step raised the mark (:attr:`exact`); otherwise
+        the most the step was seen to hold, at its start or end, a lower
+        bound that the planner does not learn from."""
+        self.exact = True
         if self.source == "cuda":
             if self._memguard_cuda:
                 return int(_C.cuda_stats(self._index)["allocated_bytes.peak"])
-            return int(sys.modules["torch"].cuda.max_memory_allocated(self._device))
+            now, mark = self.now() or (0, 0)
+            return self._beyond_mark(now, mark)
         if self.source == "arena":
             return int(_C.arena_stats()[self._arena_key])
-        if self.source in ("rss", "footprint"):
+        if self.source == "rss":
+            now, mark = self._rss.read()
+            return self._beyond_mark(now or 0, mark)
+        if self.source == "footprint":
             return self._rss.read()[1] or 0
         return 0
+
+    def _beyond_mark(self, now: int, mark: int | None) -> int:
+        """The step's peak from a high-water mark nobody reset: the mark
+        when the step raised it, else a lower bound (not :attr:`exact`)."""
+        if mark is not None and self._mark is not None and mark > self._mark:
+            return mark
+        self.exact = False
+        return max(self._floor, now)

@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Callable
 
 from memguard import _C
-from memguard._common import size
+from memguard._common import each, size
 from memguard._options import MemguardConfigWarning
 from memguard.memory.cuda import Governor
 from memguard.memory.mps import MpsGovernor
@@ -53,6 +53,8 @@ class Signals:
         self._window_t = 0.0            # samples taken before (epoch s) were of a failed attempt
         self._level = Level.OK          # level of the newest sample
         self._outside_peak = 0          # most held outside the arena since the boundary
+        #: called on the sampler's thread after each sample is taken in
+        self.after_sample: Callable[[], Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------
     def install(self, budget: int | None, live: bool) -> None:
@@ -90,22 +92,32 @@ class Signals:
 
     def uninstall(self) -> None:
         """Stop what :meth:`install` started (the sampler first: the exporter
-        gets every sample taken), and close an exporter opened from a path."""
+        gets every sample taken), and close an exporter opened from a path.
+        Every part runs even when one raises."""
         self._running = False
-        if self.governor is not None:
-            if self._own_governor:
-                self.governor.uninstall()
-            self.governor = None
-        if self.sampler is not None:
+        each(self._stop_governor, self._stop_sampler, self._close_exporter)
+
+    def _stop_governor(self) -> None:
+        governor, self.governor = self.governor, None
+        if governor is not None and self._own_governor:
+            governor.uninstall()
+
+    def _stop_sampler(self) -> None:
+        sampler, self.sampler = self.sampler, self._config.sampler
+        if sampler is None:
+            return
+        try:
             if self._own_sampler:
-                self.sampler.stop()
+                sampler.stop()
+        finally:
             for fn in (self._on_pressure, self._on_sample, self.exporter):
                 if fn is not None:
-                    self.sampler.remove_callback(fn)
-            self.sampler = self._config.sampler
-        if self._own_exporter and self.exporter is not None:
-            self.exporter.close()
-        self.exporter = None
+                    sampler.remove_callback(fn)
+
+    def _close_exporter(self) -> None:
+        exporter, self.exporter = self.exporter, None
+        if self._own_exporter and exporter is not None:
+            exporter.close()
 
     def event(self, name: Event | str, data: dict | None = None, **kw: Any) -> None:
         """Write an event where the exporter takes them (JSONL, TensorBoard)."""
@@ -129,6 +141,8 @@ class Signals:
                 self._max_raw = max(self._max_raw, s.raw_level)
             self._level = s.level
             self._outside_peak = max(self._outside_peak, outside)
+        if self.after_sample is not None:
+            self.after_sample()
 
     # -- at a step boundary --------------------------------------------------------
     def latest_sample(self) -> Any:

@@ -196,10 +196,12 @@ class Transaction:
         committed = False
         try:
             self._begin()
-            self._attempts()
+            with arena.strict():       # a refusal is recovered here (overruns.py)
+                self._attempts()
             with held():
                 try:
-                    loss = self._commit()
+                    with arena.strict():
+                        loss = self._commit()
                 except BaseException:
                     self._roll_back()
                     raise
@@ -512,7 +514,9 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
         while start < n:
             stop = start + parts[0]
             try:
-                outs.append(_batch.detach(fn(_batch.slice_(batch, start, stop))))
+                with arena.strict():
+                    out = fn(_batch.slice_(batch, start, stop))
+                outs.append(_batch.detach(out))
                 start = stop
                 parts.pop(0)
                 continue
