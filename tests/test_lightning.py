@@ -139,6 +139,53 @@ def test_state_survives_checkpoint_and_resume(tmp_path):
     assert cb2.guard.steps == 8 and t2.global_step == 8
 
 
+@pytest.fixture(scope="module")
+def one_epoch_checkpoint(tmp_path_factory):
+    """A checkpoint after one epoch of a run with MemGuardCallback."""
+    root = tmp_path_factory.mktemp("ckpt")
+    t = trainer(root, [MemGuardCallback(budget=None, allocator=False)], max_epochs=1,
+                enable_checkpointing=True, default_root_dir=root)
+    t.fit(Guarded(), data())
+    return t.checkpoint_callback.best_model_path
+
+
+@pytest.mark.parametrize(("field", "value", "warning"), [
+    ("version", 99, "not loaded: it has version 99"),
+    ("micro_batch", -5, "not loaded .*micro_batch must be an integer .* not -5.*starts fresh"),
+    ("steps", None, "not loaded .*steps must be an integer .* not None.*starts fresh"),
+])
+def test_a_resume_with_an_unusable_guard_state_warns_and_starts_the_guard_fresh(
+        tmp_path, one_epoch_checkpoint, field, value, warning):
+    """memguard never stops a run that would work without it: the model,
+    optimizer and loop resume from the checkpoint; the guard starts fresh."""
+    ckpt = torch.load(one_epoch_checkpoint, weights_only=False)
+    key = next(k for k in ckpt["callbacks"] if "MemGuardCallback" in k)
+    ckpt["callbacks"][key][field] = value
+    path = tmp_path / "edited.ckpt"
+    torch.save(ckpt, path)
+    cb = MemGuardCallback(budget=None, allocator=False)
+    t = trainer(tmp_path, [cb], max_epochs=2)
+    with pytest.warns(UserWarning, match=warning):
+        t.fit(Guarded(), data(), ckpt_path=path)
+    assert t.global_step == 8                    # the second epoch, on from the checkpoint
+    assert cb.guard.steps == 4                   # counted from a fresh guard
+    assert cb.guard.micro_batch == BATCH         # planned afresh: the whole batch, no pressure
+
+
+def test_a_state_given_before_setup_is_loaded_or_warned_about_at_setup():
+    cb = MemGuardCallback(budget=None, allocator=False)
+    state = cb.guard.state_dict()
+    cb.load_state_dict(dict(state, steps=-7))      # before setup: kept for setup
+    with pytest.warns(UserWarning, match="not loaded .*steps must be .* not -7"):
+        cb.setup(None, None, "fit")
+    try:
+        assert cb.guard.installed and cb.guard.steps == 0
+        cb.load_state_dict(dict(state, steps=12))  # after setup: loaded at once
+        assert cb.guard.steps == 12
+    finally:
+        cb.teardown(None, None, "fit")
+
+
 class Tokens(Guarded):
     """Each sample as 96 tokens through a wide layer: activations (384 KiB
     per sample and layer) outweigh the parameters, as in real models."""

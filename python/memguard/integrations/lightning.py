@@ -37,6 +37,7 @@ the step is rolled back, on every rank alike under DDP.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -59,6 +60,17 @@ def _stage(trainer: Any) -> str | None:
     """Where a Lightning run is, in words ("in Lightning's validate stage")."""
     stage = getattr(getattr(trainer, "state", None), "stage", None)
     return None if stage is None else f"in Lightning's {getattr(stage, 'value', stage)} stage"
+
+
+def _resume(guard: Guard, state: Any) -> None:
+    """Load a checkpoint's guard state. memguard must not stop a resume that
+    would run without it: a damaged state is warned about and skipped, and
+    the guard starts fresh (as for a state of another version)."""
+    try:
+        guard.load_state_dict(state)
+    except ValueError as e:
+        warnings.warn(f"memguard: the checkpoint's guard state was not loaded ({e}); the "
+                      f"guard starts fresh", UserWarning, stacklevel=3)
 
 
 def _guard_of(trainer: Any) -> Guard | None:
@@ -99,7 +111,7 @@ class MemGuardCallback(Callback):
         self.guard.install()
         self.guard.overruns.where = lambda: _stage(trainer)
         if self._pending is not None:
-            self.guard.load_state_dict(self._pending)
+            _resume(self.guard, self._pending)
             self._pending = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -126,9 +138,9 @@ class MemGuardCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.guard.installed:
-            self.guard.load_state_dict(state_dict)
+            _resume(self.guard, state_dict)
         else:
-            self._pending = dict(state_dict)
+            self._pending = state_dict
 
     # -- logging -------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

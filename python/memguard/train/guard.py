@@ -50,6 +50,7 @@ from memguard.train.interrupts import held
 from memguard.train.overruns import Overruns
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
+from memguard.train.state import GuardState
 from memguard.train.step import GuardOOMError, Output, StepArgs, StepResult, Transaction, infer  # noqa: F401
 from memguard.train.transaction import Need
 
@@ -386,27 +387,26 @@ class Guard:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped: the
         planned micro-batch, the checkpointed blocks and the counters."""
-        return {"version": 1, "micro_batch": self.micro_batch,
-                "checkpointed_blocks": self.checkpoints.n_on if self.checkpoints else 0,
-                "steps": self.steps, "ooms_recovered": self.ooms_recovered,
-                "micro_batch_changes": self.micro_batch_changes, "peak_bytes": self.peak_bytes}
+        return GuardState.of(self).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the planner starts at the saved
-        micro-batch (growth then waits for calm steps as usual).
+        micro-batch (growth then waits for calm steps as usual). The state is
+        checked whole first; one of another version, or not a mapping, is
+        skipped with a warning and the guard keeps its own.
 
         Raises:
-            ValueError: not a memguard guard state.
+            ValueError: a field missing, unknown or out of range, naming it
+                and its value; nothing of the guard changed.
         """
-        if not isinstance(state, Mapping) or state.get("version") != 1:
-            raise ValueError(f"not a memguard Guard state: {state!r}")
-        self.planner.restart_at(int(state["micro_batch"]))
+        s = GuardState.read(state)
+        if s is None:
+            return
+        self.planner.restart_at(s.micro_batch)
         if self.checkpoints is not None:
-            self.checkpoints.set(min(int(state["checkpointed_blocks"]), len(self.checkpoints)))
-        self.steps = int(state["steps"])
-        self.ooms_recovered = int(state["ooms_recovered"])
-        self.planner.changes = int(state["micro_batch_changes"])
-        self.peak_bytes = int(state["peak_bytes"])
+            self.checkpoints.set(s.checkpointed_blocks)      # clamped to the blocks there are
+        self.steps, self.ooms_recovered, self.peak_bytes = s.steps, s.ooms_recovered, s.peak_bytes
+        self.planner.changes = s.micro_batch_changes
 
     def summary(self) -> dict[str, Any]:
         """Counters of the run so far."""
