@@ -12,10 +12,11 @@ joins by itself only where it holds one value per sample:
 
 Tuples (named ones too), mappings, dataclasses and lists of another length
 are structure, joined place by place; they must have the same keys or length
-in every micro-batch. Any other leaf (a 0-d tensor, a tensor whose dim 0 is
-not the micro-batch's size, a number, a string, ``None`` in some
-micro-batches only) needs a rule in ``combine``, or is refused with a
-``TypeError`` naming where it is (``out["acc"]``).
+in every micro-batch (a tuple is never taken for one value per sample, so
+structure is best returned as one). Any other leaf (a 0-d tensor, a tensor
+whose dim 0 is not the micro-batch's size, a number, a string, ``None`` in
+some micro-batches only) needs a rule in ``combine``, or is refused with a
+``TypeError`` naming where it is (``out['acc']``).
 
 ``combine`` is shaped like the output, as far down as the leaves that need
 a rule: a dict for a mapping or a dataclass (keys or field names), a list or
