@@ -372,16 +372,16 @@ class Guard:
             self.overruns.check()
             self.gc.relieve("evaluate", force=True)
 
-    def infer(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
-        """``fn`` over ``batch`` in micro-batches of the planned size,
-        outputs concatenated (detached). An out-of-memory error shrinks the
-        size and goes on from the micro-batch that failed.
+    def infer(self, batch: Any, fn: Callable[[Any], Any], *, combine: Any = None) -> Any:
+        """``fn`` over ``batch`` in micro-batches, smaller after an out-of-memory
+        error; outputs detached, joined as one call's (:mod:`memguard.train.outputs`).
 
         Raises:
             GuardOOMError: out of memory at the smallest allowed size.
+            TypeError: an output leaf neither per-sample nor ruled by ``combine``.
         """
         with self._loop.enter("infer"):
-            return infer(self, batch, fn)
+            return infer(self, batch, fn, combine)
 
     # -- resuming and reporting ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

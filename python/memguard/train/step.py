@@ -28,6 +28,7 @@ from memguard.memory import arena
 from memguard.memory.oom import is_oom
 from memguard.telemetry.events import Event
 from memguard.train import batch as _batch
+from memguard.train import outputs as _outputs
 from memguard.train.accumulation import Accumulator
 from memguard.train.distributed import PeerOOM, Peers
 from memguard.train.gradcache import gradcache_backward
@@ -502,12 +503,14 @@ class Transaction:
         return aux
 
 
-def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
+def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = None) -> Any:
     """:meth:`memguard.Guard.infer`: ``fn`` over ``batch`` under ``no_grad``
     in micro-batches, going on after an out-of-memory error from the
-    micro-batch that failed, at the planner's smaller size."""
+    micro-batch that failed, at the planner's smaller size; the outputs
+    joined by :func:`memguard.train.outputs.join`."""
     n = _batch.checked_size(batch)
-    micro, start, outs, tried = min(guard.micro_batch or n, n), 0, [], []
+    _outputs.check_combine(combine)
+    micro, start, outs, tried, counts = min(guard.micro_batch or n, n), 0, [], [], []
     sizes = guard.config.sizes
     parts = sizes.of(n, micro)
     with torch.no_grad():
@@ -517,6 +520,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
                 with arena.strict():
                     out = fn(_batch.slice_(batch, start, stop))
                 outs.append(_batch.detach(out))
+                counts.append(stop - start)
                 start = stop
                 parts.pop(0)
                 continue
@@ -531,4 +535,4 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any]) -> Any:
                 parts = sizes.of(n - start, micro)
             guard.gc.relieve_oom()     # out of the except block: its frames are gone
             guard.ooms_recovered += 1
-    return _batch.concat(outs)
+    return _outputs.join(outs, counts, combine)
