@@ -371,3 +371,41 @@ def test_telemetry_without_cuda_figures_or_missing(tmp_path: Path,
     assert rows["cuda allocator"][0].startswith(f"telemetry {missing} absent; ")
     found, _ = doctor_json(capsys, "--telemetry", str(tmp_path))["cuda allocator"]
     assert found.startswith(f"telemetry {tmp_path} unreadable ({os.strerror(errno.EISDIR)}); ")
+
+
+def test_telemetry_line_over_the_cap_is_skipped_unread(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [
+        {"type": "sample", "seq": 1, "cuda_allocated_bytes": GiB, "cuda_reserved_bytes": 2 * GiB},
+        # a well-formed sample of 50 MiB: read whole, it would be the worst
+        {"type": "sample", "seq": 2, "cuda_allocated_bytes": 1, "cuda_reserved_bytes": 900 * GiB,
+         "pad": "x" * 50 * MiB},
+        {"type": "sample", "seq": 3, "cuda_allocated_bytes": GiB, "cuda_reserved_bytes": 3 * GiB},
+    ]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    found, _ = doctor_json(capsys, "--telemetry", str(path))["cuda allocator"]
+    assert found.startswith(f"at the largest reserved of 2 samples in {path} (seq 3): "
+                            f"reserved 3.0 GiB, allocated 1.0 GiB"), found
+    assert found.endswith("; 1 line(s) not read (line 2: longer than 1.0 MiB, not read)")
+
+
+def test_telemetry_from_dev_zero_ends_in_bounded_memory() -> None:
+    """An endless line: read up to a cap, then the doctor says so and goes on.
+    The child's address space is limited, so a reader that took the line whole
+    fails at once instead of taking the machine's memory."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (512 * MiB, 512 * MiB))
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(PYTHON_DIR), os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, "-m", "memguard", "doctor", "--no-torch", "--json",
+                        "--telemetry", "/dev/zero"], env=env, capture_output=True, text=True,
+                       timeout=120, check=False, preexec_fn=limit)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = {row["item"]: row["found"] for row in json.loads(r.stdout)}["cuda allocator"]
+    assert found.startswith("no samples with CUDA figures in /dev/zero; "), found
+    assert found.endswith("; 1 line(s) not read (line 1: goes on past 256.0 MiB without a "
+                          "newline; the rest of the file is not read)"), found

@@ -11,9 +11,12 @@ sample.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
+import math
+import os
 import pathlib
 import re
 import subprocess
@@ -249,6 +252,120 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     out = cli("report", str(DEMO_TRACE), "-o", str(tmp_path / "r.svg"))
     assert out.returncode == 2 and "r.svg" in out.stderr and ".png or .html" in out.stderr
     assert not (tmp_path / "r.svg").exists()
+
+
+# -- long and hostile files: memory bounded whatever the file ------------------------
+# Runs a command and prints its peak RSS last on stderr, as /usr/bin/time
+# does: measured from this small launcher, since a child's ru_maxrss counts
+# what it shared with its parent before exec (here, pytest and torch). The
+# address-space limit is a safety net: a reader that took a whole endless
+# line would fail there in a second instead of taking the machine's memory.
+TIMED = r'''
+import resource, subprocess, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+code = subprocess.run(sys.argv[1:]).returncode
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(f"peak_rss_kib={peak // 1024 if sys.platform == 'darwin' else peak}", file=sys.stderr)
+sys.exit(code)
+'''
+# one BLAS thread: each would reserve address space under that limit
+ONE_THREAD = {k: "1" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+#: what a long file may add to the peak RSS of the report of a short one
+GROWTH_MIB = 25
+
+
+def cli_rss(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``memguard *args`` in a child under a 2 GiB address-space limit; its peak RSS in MiB."""
+    out = subprocess.run([sys.executable, "-c", TIMED, sys.executable, "-m", "memguard", *args],
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env=dict(os.environ, **ONE_THREAD))
+    m = re.search(r"peak_rss_kib=(\d+)\s*$", out.stderr)
+    assert m, out.stderr[-3000:]
+    return out, int(m.group(1)) / 1024
+
+
+def write_run(path: pathlib.Path, samples: int, junk: str | None = None) -> None:
+    """A guarded run's telemetry as the exporter writes it: ``samples`` samples
+    (RSS 1 GB plus 1000 bytes a sample), a step event every tenth, and
+    ``junk`` as one line after the first half."""
+    base = Sampler(budget="4GiB").sample_now()
+    with open(path, "w", encoding="utf-8") as f, JsonlExporter(f) as ex:
+        for n in range(1, samples + 1):
+            t = 1.7e9 + n / 10
+            ex(dataclasses.replace(base, t=t, seq=n, rss_bytes=10**9 + 1000 * n))
+            if n % 10 == 0:
+                ex.event("step", t=t, step=n // 10, micro_batch=32, n_micro=1,
+                         peak_bytes=2 * 10**8, action="keep")
+            if n == samples // 2 and junk is not None:
+                f.write(junk + "\n")
+
+
+@pytest.fixture(scope="module")
+def short_report_rss(tmp_path_factory) -> float:
+    """Peak RSS (MiB) of `memguard report` on 100 samples."""
+    d = tmp_path_factory.mktemp("short")
+    write_run(d / "short.jsonl", 100)
+    out, rss = cli_rss("report", str(d / "short.jsonl"), "-o", str(d / "short.png"))
+    assert out.returncode == 0, out.stderr
+    return rss
+
+
+def test_memory_does_not_grow_with_the_file(tmp_path, short_report_rss):
+    src = tmp_path / "long.jsonl"
+    write_run(src, 20000)                # 40 MB: 20000 samples, 2000 steps
+    assert src.stat().st_size > 35e6
+    out, rss = cli_rss("report", str(src), "-o", str(tmp_path / "long.html"))
+    src.unlink()
+    assert out.returncode == 0, out.stderr
+    assert "report of 2000 steps and 20000 samples" in out.stdout
+    t = table((tmp_path / "long.html").read_text(encoding="utf-8"))
+    assert t["samples"] == "20000" and t["steps"] == "2000" and t["duration"] == "1999.9 s"
+    assert t["peak RSS (sampled)"].endswith(f"({10**9 + 1000 * 20000:,} bytes)")
+    assert rss < short_report_rss + GROWTH_MIB, (rss, short_report_rss)
+
+
+def test_an_overlong_line_is_skipped_unread(tmp_path, short_report_rss):
+    src = tmp_path / "long_line.jsonl"
+    # a well-formed sample of 50 MB: read whole, it would be drawn and counted
+    write_run(src, 100, junk=json.dumps({"type": "sample", "t": 1.7e9 + 5, "seq": 0,
+                                         "rss_bytes": 10**15, "reasons": ["x" * 50 * MiB]}))
+    out, rss = cli_rss("report", str(src), "-o", str(tmp_path / "r.html"))
+    src.unlink()
+    assert out.returncode == 0, out.stderr
+    assert "report of 10 steps and 100 samples" in out.stdout
+    # the header, 50 samples and 5 steps, then the long line
+    assert "skipped 1 unreadable line(s) (line 57: longer than 1.0 MiB, not read)" in out.stderr
+    t = table((tmp_path / "r.html").read_text(encoding="utf-8"))
+    assert t["peak RSS (sampled)"].endswith(f"({10**9 + 1000 * 100:,} bytes)")
+    assert rss < short_report_rss + GROWTH_MIB, (rss, short_report_rss)
+
+
+def test_dev_zero_is_a_clear_error_in_bounded_memory(tmp_path, short_report_rss):
+    out, rss = cli_rss("report", "/dev/zero", "-o", str(tmp_path / "r.png"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.startswith("memguard: '/dev/zero' is not memguard telemetry: line 1 "
+                                 "comes before any memguard header (goes on past 256.0 MiB "
+                                 "without a newline"), out.stderr
+    assert rss < short_report_rss, (rss, short_report_rss)
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_a_long_line_is_drawn_in_bounded_points_with_its_peaks():
+    """Up to POINTS points a line is drawn point for point; past that each
+    stretch keeps its lowest and highest point, so a one-sample peak stays."""
+    from memguard.cli.report import POINTS, _Series
+
+    short = _Series()
+    for n in range(POINTS):
+        short.add(n, n % 7)
+    assert short.points() == (list(range(POINTS)), [n % 7 for n in range(POINTS)])
+    long = _Series()
+    for n in range(50000):
+        long.add(n, 5.0 if n == 31337 else -1.0 if n == 7 else 1.0 if n % 2 else math.nan)
+    xs, ys = long.points()
+    assert len(xs) <= 2 * POINTS and xs == sorted(xs)
+    assert (31337, 5.0) in zip(xs, ys) and (7, -1.0) in zip(xs, ys)
+    assert not any(math.isnan(y) for y in ys), "a missing value gives way to a real one"
 
 
 def test_import_memguard_needs_neither_matplotlib_nor_tensorboard():

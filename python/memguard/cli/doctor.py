@@ -29,6 +29,7 @@ from memguard._common import size
 from memguard.cli.run import JEMALLOC, jemalloc_candidates
 from memguard.memory.cuda_advice import expandable_segments_advice
 from memguard.telemetry.budget import auto_inputs
+from memguard.telemetry.exporters import bounded_lines
 
 #: One report row: item, what was found, what memguard can or cannot do with it.
 Row = tuple[str, str, str]
@@ -540,7 +541,10 @@ def cuda_figures(path: str) -> tuple[dict | None, str | None]:
 
     Sample lines (with ``seq``) that carry ``cuda_allocated_bytes`` and
     ``cuda_reserved_bytes`` count; event lines, lines without those fields and
-    lines that are not JSON objects are skipped.
+    lines that are not JSON objects are skipped. The file is streamed, each
+    line read only up to :data:`~memguard.telemetry.exporters.MAX_LINE_BYTES`
+    (:func:`~memguard.telemetry.exporters.bounded_lines`), so memory stays
+    bounded whatever the file's size.
 
     Args:
         path: the telemetry file.
@@ -548,19 +552,25 @@ def cuda_figures(path: str) -> tuple[dict | None, str | None]:
     Returns:
         ``(figures, None)`` with ``figures`` the worst sample's ``allocated``,
         ``reserved`` and ``seq``, the largest ``reserved_peak`` seen, the last
-        ``retries`` value seen (each None when absent) and ``samples`` (samples
-        with CUDA figures, 0 when none); or ``(None, why)`` when the file cannot
-        be read.
+        ``retries`` value seen (each None when absent), ``samples`` (samples
+        with CUDA figures, 0 when none) and ``unread`` (lines longer than the
+        cap, skipped unread) with ``unread_why`` (the first, by number and why);
+        or ``(None, why)`` when the file cannot be read.
     """
     worst: dict | None = None
     peak: int | None = None
     retries: int | None = None
-    n = 0
+    n = unread = 0
+    unread_why: str | None = None
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
+        with open(path, "rb") as f:
+            for number, line, why in bounded_lines(f):
+                if why is not None:
+                    unread += 1
+                    unread_why = unread_why or f"line {number}: {why}"
+                    continue
                 try:
-                    rec = json.loads(line)
+                    rec = json.loads(line.decode("utf-8", errors="replace"))
                 except ValueError:
                     continue
                 if not isinstance(rec, dict) or "event" in rec or "seq" not in rec:
@@ -581,7 +591,8 @@ def cuda_figures(path: str) -> tuple[dict | None, str | None]:
     except OSError as e:
         return None, f"unreadable ({e.strerror or os.strerror(e.errno or 0)})"
     figures = worst or {"allocated": None, "reserved": None, "seq": None}
-    figures.update(reserved_peak=peak, retries=retries, samples=n)
+    figures.update(reserved_peak=peak, retries=retries, samples=n, unread=unread,
+                   unread_why=unread_why)
     return figures, None
 
 
@@ -614,6 +625,8 @@ def cuda_allocator_row(telemetry: str | None = None,
     if figures["retries"]:
         found += (f"; {figures['retries']} allocation retries (the caching allocator freed "
                   f"its cache and retried: thrashing)")
+    if figures["unread"]:
+        found += f"; {figures['unread']} line(s) not read ({figures['unread_why']})"
     return ("cuda allocator", found, advice)
 
 

@@ -16,6 +16,11 @@ own, written with :meth:`~memguard.telemetry.JsonlExporter.event`) is a
 labelled grey line. A run without a guard, or with fields its schema
 version lacks, gives the panels it has data for.
 
+The file is read once, streamed (:func:`~memguard.telemetry.exporters.iter_jsonl`):
+the summary's figures are counted as the records go by, and each drawn line
+keeps at most ``2 * POINTS`` points, its lowest and highest of each stretch
+(:class:`_Series`), so memory does not grow with the run's length.
+
 matplotlib is imported on first use, through its object API only: a report
 never changes the pyplot backend of the process that asks for it.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import heapq
 import html
 import io
 import math
@@ -33,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from memguard._common import finite, size, unwritable
-from memguard.telemetry import Event, Level, Sample, SkippedLinesWarning, read_jsonl
+from memguard.telemetry import Event, Level, Sample, SkippedLinesWarning
+from memguard.telemetry.exporters import iter_jsonl
 
 #: Output suffixes :func:`report` writes.
 FORMATS = (".png", ".html")
@@ -42,6 +49,9 @@ FORMATS = (".png", ".html")
 _PLOTTED = {e.value for e in (Event.STEP, Event.INSTALL, Event.OOM_RECOVERED, Event.OOM_GAVE_UP,
                               Event.RELIEVE, Event.CHECKPOINT, Event.CRITICAL)}
 _MAX_LABELS = 40          # labelled lines of other events, so a chatty run stays readable
+#: Points kept of each line the figure draws: at most twice this many, so a
+#: week of samples is drawn in the memory and time of an hour (see _Series).
+POINTS = 2000
 _LEVEL_COLOURS = ("#d9f0d3", "#fff3bf", "#ffd8a8", "#ffc9c9")   # OK .. CRITICAL
 
 
@@ -117,86 +127,271 @@ class RunSummary:
         ]
 
 
-def load(path: str | os.PathLike) -> tuple[dict[str, Any], list[Sample], list[dict]]:
-    """Read a telemetry file, every failure as a ``ValueError`` naming it.
+class _Series:
+    """One line of the figure in at most ``2 * POINTS`` points.
 
-    Returns:
-        ``(meta, samples, events)`` as :func:`memguard.telemetry.read_jsonl`.
+    Points come in one at a time; while there are at most :data:`POINTS`
+    every one is kept. Past that, consecutive points share buckets (two
+    neighbours merge whenever the buckets outnumber :data:`POINTS`) and a
+    bucket keeps its lowest and its highest point: min/max decimation, so a
+    peak or a dip of one sample stays on the figure. ``NaN`` (a missing
+    value) gives way to any real value in its bucket.
+    """
+
+    def __init__(self) -> None:
+        self._buckets: list[list[tuple[int, float, float]]] = []   # [lowest, highest]
+        self._stride = 1       # points a full bucket stands for
+        self._fill = 1         # points the last bucket stands for
+        self._n = 0
+
+    def __len__(self) -> int:
+        """The points added."""
+        return self._n
+
+    def add(self, x: float, y: float) -> None:
+        """Append the point ``(x, y)``."""
+        p = (self._n, x, y)
+        self._n += 1
+        if self._fill < self._stride:
+            b = self._buckets[-1]
+            b[0], b[1] = _lower(b[0], p), _higher(b[1], p)
+            self._fill += 1
+            return
+        self._buckets.append([p, p])
+        self._fill = 1
+        if len(self._buckets) > POINTS:
+            self._halve()
+
+    def _halve(self) -> None:
+        b = self._buckets
+        merged = [[_lower(a[0], c[0]), _higher(a[1], c[1])] for a, c in zip(b[::2], b[1::2])]
+        if len(b) % 2:
+            merged.append(b[-1])
+        else:
+            self._fill += self._stride
+        self._buckets = merged
+        self._stride *= 2
+
+    def points(self) -> tuple[list[float], list[float]]:
+        """The kept points' x and y, in the order they came."""
+        kept = [p for lo, hi in self._buckets for p in ((lo,) if lo is hi else sorted((lo, hi)))]
+        return [x for _, x, _ in kept], [y for _, _, y in kept]
+
+
+def _lower(p: tuple[int, float, float], q: tuple[int, float, float]) -> tuple[int, float, float]:
+    """The lower of two points, ``p`` the earlier: a real value before NaN, ``p`` on a tie."""
+    return q if not math.isnan(q[2]) and (math.isnan(p[2]) or q[2] < p[2]) else p
+
+
+def _higher(p: tuple[int, float, float], q: tuple[int, float, float]) -> tuple[int, float, float]:
+    """The higher of two points, as :func:`_lower`."""
+    return q if not math.isnan(q[2]) and (math.isnan(p[2]) or q[2] > p[2]) else p
+
+
+def _bigger(a: float | None, b: float | None) -> float | None:
+    """The larger of two values, either of which may be missing."""
+    return b if a is None or (b is not None and b > a) else a
+
+
+def _value(v: float | None) -> float:
+    """A value to draw: NaN (a gap) where it is missing."""
+    return math.nan if v is None else float(v)
+
+
+# the memory and level lines drawn from the samples: the value a sample gives each
+_DRAWN = {
+    "rss_bytes": lambda s: _value(s.rss_bytes),
+    "arena_allocated_bytes": lambda s: _value(s.arena_allocated_bytes),
+    "arena_reserved_bytes": lambda s: _value(s.arena_reserved_bytes),
+    "budget_bytes": lambda s: _value(s.budget_bytes or None),
+    "arena_budget_bytes": lambda s: _value(s.arena_budget_bytes),
+    "raw_level": lambda s: float(int(s.raw_level)),
+    "level": lambda s: float(int(s.level)),
+}
+
+
+class _Run:
+    """What a report counts and draws, folded one record at a time, in
+    memory bounded by :data:`POINTS` whatever the run's length."""
+
+    def __init__(self) -> None:
+        self.meta: dict[str, Any] = {}
+        self.t_lo, self.t_hi = math.inf, -math.inf       # every record's time
+        self.event_t_lo = math.inf
+        self.first_sample_t: float | None = None
+        self._sample_state()
+        self._event_state()
+
+    def _sample_state(self) -> None:
+        self.samples = 0
+        self.high_s = 0.0
+        self._prev: tuple[float, Level] | None = None    # the last sample's (t, level)
+        self.peak_rss = self.peak_arena = self.max_level = None
+        self.budget = self.arena_budget = self.arena_budget_max = None   # last truthy; max
+        self.top = 0                  # the largest RSS or arena reserved
+        self.arena_budget_apart = False
+        self._arena_alone: set[int] = set()  # arena budgets of samples without a budget (2 at most)
+        self.lines = {name: _Series() for name in _DRAWN}
+
+    def _event_state(self) -> None:
+        self.counts = dict.fromkeys((Event.OOM_RECOVERED.value, Event.OOM_GAVE_UP.value,
+                                     Event.RELIEVE.value), 0)
+        self.install_budget: int | None = None
+        self.steps = self.micro_batch_changes = self.shrinks = self.grows = 0
+        self._micro: float | None = None
+        self.peak_step: int | None = None
+        self.checkpoints, self.max_blocks = 0, None
+        # the micro-batch panel: steps with a micro-batch size, decisions, step peaks
+        self.micro_line, self.step_peaks = _Series(), _Series()
+        self.marks = {"shrink": _Series(), "grow": _Series()}
+        self.top_peak = 0.0
+        self._prev_step_t: float | None = None
+        self.event_lines: dict[str, _Series] = {}
+        # a heap of (-t, -n, name): the earliest _MAX_LABELS other events, n their order
+        self._labels: list[tuple[float, int, str]] = []
+        self._others = 0
+
+    def add(self, kind: str, rec: Any) -> None:
+        """Fold one record of :func:`~memguard.telemetry.exporters.iter_jsonl`."""
+        if kind == "meta":
+            self.meta = rec
+        elif kind == "sample":
+            self._sample(rec)
+        else:
+            self._event(rec)
+
+    def _time(self, t: float) -> None:
+        self.t_lo, self.t_hi = min(self.t_lo, t), max(self.t_hi, t)
+
+    def _sample(self, s: Sample) -> None:
+        self.samples += 1
+        self._time(s.t)
+        if self.first_sample_t is None:
+            self.first_sample_t = s.t
+        if self._prev is not None and self._prev[1] >= Level.HIGH:
+            self.high_s += max(s.t - self._prev[0], 0.0)
+        self._prev = (s.t, s.level)
+        self.peak_rss = _bigger(self.peak_rss, s.rss_bytes)
+        self.peak_arena = _bigger(self.peak_arena, s.arena_allocated_bytes)
+        self.max_level = _bigger(self.max_level, s.level)
+        self.top = max(self.top, s.rss_bytes or 0, s.arena_reserved_bytes or 0)
+        self.budget = s.budget_bytes or self.budget
+        self.arena_budget = s.arena_budget_bytes or self.arena_budget
+        self.arena_budget_max = _bigger(self.arena_budget_max, s.arena_budget_bytes)
+        if s.arena_budget_bytes and s.budget_bytes:
+            self.arena_budget_apart |= s.arena_budget_bytes != s.budget_bytes
+        elif s.arena_budget_bytes and len(self._arena_alone) < 2:
+            self._arena_alone.add(s.arena_budget_bytes)
+        for name, value in _DRAWN.items():
+            self.lines[name].add(s.t, value(s))
+
+    def _event(self, e: dict) -> None:
+        t, name = e["t"], e["event"]
+        self._time(t)
+        self.event_t_lo = min(self.event_t_lo, t)
+        if name in self.counts:
+            self.counts[name] += 1
+        elif name == Event.INSTALL and self.install_budget is None and \
+                finite(e.get("budget_bytes")):
+            self.install_budget = int(e["budget_bytes"])
+        elif name == Event.STEP:
+            self._step(e)
+        elif name == Event.CHECKPOINT:
+            self.checkpoints += 1
+            self.max_blocks = _bigger(self.max_blocks, finite(e.get("blocks")))
+        kind = _line_kind(e)
+        if kind is not None:
+            self.event_lines.setdefault(kind, _Series()).add(t, 0.0)
+        if kind == "other":
+            self._others += 1
+            heapq.heappush(self._labels, (-t, -self._others, name))
+            if len(self._labels) > _MAX_LABELS:
+                heapq.heappop(self._labels)
+
+    def _step(self, e: dict) -> None:
+        self.steps += 1
+        micro = finite(e.get("micro_batch"))
+        if micro is not None:
+            if self._micro is not None and micro != self._micro:
+                self.micro_batch_changes += 1
+            self._micro = micro
+        action = e.get("action")
+        self.shrinks += action == "shrink"
+        self.grows += action == "grow"
+        if finite(e.get("peak_bytes")) is not None:
+            self.peak_step = _bigger(self.peak_step, int(e["peak_bytes"]))
+        if not micro:               # drawn only with a size
+            return
+        t = e["t"]
+        # a decision is marked where the new size starts: the end of the step before
+        if action in self.marks:
+            self.marks[action].add(t if self._prev_step_t is None else self._prev_step_t,
+                                   e["micro_batch"])
+        self._prev_step_t = t
+        self.micro_line.add(t, e["micro_batch"])
+        peak = finite(e.get("peak_bytes"))
+        if peak:
+            self.step_peaks.add(t, peak)
+            self.top_peak = max(self.top_peak, peak)
+
+    def labels(self) -> list[tuple[float, str]]:
+        """The earliest :data:`_MAX_LABELS` events without their own line style, in time order."""
+        return [(-t, name) for t, _, name in sorted(self._labels, key=lambda x: (-x[0], -x[1]))]
+
+    def budget_bytes(self) -> int | None:
+        """The last budget a sample was compared with; else the install event's; else the header's."""
+        if self.budget:
+            return self.budget
+        if self.install_budget is not None:
+            return self.install_budget
+        b = finite(self.meta.get("budget_bytes"))
+        return int(b) if b else None
+
+    def arena_budget_drawn(self, budget: int | None) -> bool:
+        """Whether the arena's budget differs from the one samples compare RSS with."""
+        return self.arena_budget_apart or len(self._arena_alone) > 1 or \
+            any(a != budget for a in self._arena_alone)
+
+    def summary(self, path: str | os.PathLike) -> RunSummary:
+        """The run's counters."""
+        return RunSummary(
+            path=os.fspath(path),
+            duration_s=self.t_hi - self.t_lo if self.t_hi >= self.t_lo else 0.0,
+            samples=self.samples,
+            steps=self.steps,
+            micro_batch_changes=self.micro_batch_changes,
+            shrinks=self.shrinks,
+            grows=self.grows,
+            ooms_recovered=self.counts[Event.OOM_RECOVERED.value],
+            ooms_gave_up=self.counts[Event.OOM_GAVE_UP.value],
+            gc_reliefs=self.counts[Event.RELIEVE.value],
+            checkpoint_changes=self.checkpoints,
+            max_checkpointed_blocks=int(self.max_blocks or 0),
+            peak_rss_bytes=self.peak_rss,
+            peak_arena_allocated_bytes=self.peak_arena,
+            peak_step_bytes=self.peak_step,
+            budget_bytes=self.budget_bytes(),
+            arena_budget_bytes=self.arena_budget,
+            max_level=self.max_level,
+            high_s=self.high_s,
+        )
+
+
+def scan(path: str | os.PathLike) -> _Run:
+    """Read a telemetry file once, start to end, every failure as a ``ValueError`` naming it.
 
     Raises:
         ValueError: the file is missing, unreadable, not JSON lines, or not
             memguard telemetry.
     """
     p = os.fspath(path)
+    run = _Run()
     try:
-        return read_jsonl(p)
+        for kind, rec in iter_jsonl(p):
+            run.add(kind, rec)
     except OSError as exc:
         raise ValueError(f"cannot read telemetry file {p!r}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{p!r} is not a text file: {exc.reason}") from exc
-
-
-def _timed(events: list[dict]) -> list[dict]:
-    """Events with a time, in time order."""
-    return sorted((e for e in events if finite(e.get("t")) is not None), key=lambda e: e["t"])
-
-
-def _budget(meta: dict[str, Any], samples: list[Sample], events: list[dict]) -> int | None:
-    for s in reversed(samples):
-        if s.budget_bytes:
-            return s.budget_bytes
-    for e in events:
-        if e.get("event") == Event.INSTALL and finite(e.get("budget_bytes")):
-            return int(e["budget_bytes"])
-    b = finite(meta.get("budget_bytes"))
-    return int(b) if b else None
-
-
-def _max(values: Any) -> int | None:
-    vs = [v for v in values if v is not None]
-    return max(vs) if vs else None
-
-
-def summarize(meta: dict[str, Any], samples: list[Sample], events: list[dict],
-              path: str | os.PathLike = "") -> RunSummary:
-    """The run's counters, from what :func:`load` returned."""
-    timed = _timed(events)
-    steps = [e for e in timed if e.get("event") == Event.STEP]
-    micro = [finite(e.get("micro_batch")) for e in steps]
-    micro = [m for m in micro if m is not None]
-    times = [s.t for s in samples] + [e["t"] for e in timed]
-    high_s = 0.0
-    for a, b in zip(samples, samples[1:]):
-        if a.level >= Level.HIGH:
-            high_s += max(b.t - a.t, 0.0)
-    blocks = [finite(e.get("blocks")) for e in timed if e.get("event") == Event.CHECKPOINT]
-
-    def count(name: str) -> int:
-        return sum(1 for e in events if e.get("event") == name)
-
-    return RunSummary(
-        path=os.fspath(path),
-        duration_s=(max(times) - min(times)) if times else 0.0,
-        samples=len(samples),
-        steps=len(steps),
-        micro_batch_changes=sum(1 for a, b in zip(micro, micro[1:]) if a != b),
-        shrinks=sum(1 for e in steps if e.get("action") == "shrink"),
-        grows=sum(1 for e in steps if e.get("action") == "grow"),
-        ooms_recovered=count(Event.OOM_RECOVERED),
-        ooms_gave_up=count(Event.OOM_GAVE_UP),
-        gc_reliefs=count(Event.RELIEVE),
-        checkpoint_changes=len(blocks),
-        max_checkpointed_blocks=int(_max(blocks) or 0),
-        peak_rss_bytes=_max(s.rss_bytes for s in samples),
-        peak_arena_allocated_bytes=_max(s.arena_allocated_bytes for s in samples),
-        peak_step_bytes=_max(int(e["peak_bytes"]) for e in steps
-                             if finite(e.get("peak_bytes")) is not None),
-        budget_bytes=_budget(meta, samples, events),
-        arena_budget_bytes=next((s.arena_budget_bytes for s in reversed(samples)
-                                 if s.arena_budget_bytes), None),
-        max_level=max((s.level for s in samples), default=None),
-        high_s=high_s,
-    )
+    return run
 
 
 # -- the figure ------------------------------------------------------------------
@@ -221,152 +416,35 @@ def _line_kind(e: dict) -> str | None:
     return None if name in _PLOTTED else "other"
 
 
-def _figure(title: str, meta: dict[str, Any], samples: list[Sample], events: list[dict],
-            summary: RunSummary) -> Any:
+def _figure(title: str, run: _Run, summary: RunSummary) -> Any:
     """The report's matplotlib Figure (Agg canvas, no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
 
-    timed = _timed(events)
-    starts = [s.t for s in samples[:1]] + [e["t"] for e in timed[:1]]
-    t0 = min(starts) if starts else (finite(meta.get("t")) or 0.0)
-    ts = [s.t - t0 for s in samples]
-
+    starts = [t for t in (run.first_sample_t, run.event_t_lo) if t is not None and t < math.inf]
+    t0 = min(starts) if starts else (finite(run.meta.get("t")) or 0.0)
     fig = Figure(figsize=(12, 9), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    steps = [e for e in timed if e.get("event") == Event.STEP and finite(e.get("micro_batch"))]
+    has_steps = len(run.micro_line) > 0
     # the micro-batch panel only for a run with a guard
-    ratios = [3, 1.3, 1.7] if steps else [3, 1.3]
+    ratios = [3, 1.3, 1.7] if has_steps else [3, 1.3]
     axes = list(fig.subplots(len(ratios), 1, sharex=True,
                              gridspec_kw={"height_ratios": ratios}))
-    ax_mem, ax_lvl = axes[:2]
-    sub = ", ".join(f"{k} {meta[k]}" for k in ("host", "demo", "pid") if meta.get(k))
+    sub = ", ".join(f"{k} {run.meta[k]}" for k in ("host", "demo", "pid") if run.meta.get(k))
     fig.suptitle(f"memguard run: {os.path.basename(summary.path) or title}"
                  + (f"\n{sub}" if sub else ""), fontsize=13)
-
-    # memory against the budget
-    budget = summary.budget_bytes
-    arena_budget = _max(s.arena_budget_bytes for s in samples)
-    peaks = [(e["t"] - t0, finite(e.get("peak_bytes"))) for e in steps]
-    peaks = [(t, p) for t, p in peaks if p]
-    top = max([v or 0 for s in samples for v in (s.rss_bytes, s.arena_reserved_bytes)]
-              + [budget or 0, arena_budget or 0] + [p for _, p in peaks] + [0])
-    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-
-    def series(field: str) -> list[float]:
-        out = []
-        for s in samples:
-            v = getattr(s, field)
-            out.append(math.nan if v is None else v / scale)
-        return out
-
-    drawn_mem = False
-    for field, label, colour, style in (
-            ("rss_bytes", "RSS", "#1c7ed6", "-"),
-            ("arena_allocated_bytes", "arena allocated", "#f08c00", "-"),
-            ("arena_reserved_bytes", "arena reserved", "#f08c00", ":")):
-        ys = series(field)
-        if any(not math.isnan(y) for y in ys):
-            ax_mem.plot(ts, ys, style, color=colour, lw=1.6, label=label)
-            drawn_mem = True
-    if any(s.budget_bytes for s in samples):
-        ax_mem.plot(ts, [math.nan if not s.budget_bytes else s.budget_bytes / scale
-                         for s in samples], "--", color="black", lw=1.4,
-                    drawstyle="steps-post", label="budget")
-    elif budget:
-        ax_mem.axhline(budget / scale, ls="--", color="black", lw=1.4, label="budget")
-    # the arena's own budget, where it is not the one the samples compare RSS with
-    if any(s.arena_budget_bytes and s.arena_budget_bytes != (s.budget_bytes or budget)
-           for s in samples):
-        ax_mem.plot(ts, series("arena_budget_bytes"), "-.", color="#f08c00", lw=1.2,
-                    drawstyle="steps-post", label="arena budget")
-    if peaks:
-        ax_mem.plot([t for t, _ in peaks], [p / scale for _, p in peaks], "o", ms=3.5,
-                    color="#495057", label="step peak")
-        drawn_mem = True
-    if not drawn_mem:
-        ax_mem.text(0.5, 0.5, "no memory samples in this file", transform=ax_mem.transAxes,
-                    ha="center", va="center", color="#868e96")
-    ax_mem.set_ylabel(f"memory ({unit})")
-    ax_mem.set_ylim(bottom=0)
-    ax_mem.set_title("memory against the budget", loc="left", fontsize=10)
-    ax_mem.grid(alpha=0.3)
-    if ax_mem.get_legend_handles_labels()[0]:
-        ax_mem.legend(loc="best", fontsize=9, framealpha=0.9)
-
-    # the pressure level
-    for lv, colour in zip(Level, _LEVEL_COLOURS):
-        ax_lvl.axhspan(lv - 0.5, lv + 0.5, color=colour, lw=0)
-    if samples:
-        ax_lvl.plot(ts, [int(s.raw_level) for s in samples], color="#868e96", lw=0.8,
-                    drawstyle="steps-post", alpha=0.8, label="raw level (this sample)")
-        ax_lvl.plot(ts, [int(s.level) for s in samples], color="#c92a2a", lw=2,
-                    drawstyle="steps-post", label="level (with hysteresis)")
-        ax_lvl.legend(loc="best", fontsize=8, framealpha=0.9)
-    else:
-        ax_lvl.text(0.5, 0.5, "no samples", transform=ax_lvl.transAxes, ha="center",
-                    va="center", color="#868e96")
-    ax_lvl.set_yticks([int(lv) for lv in Level], [lv.name for lv in Level])
-    ax_lvl.set_ylim(-0.5, 3.5)
-    ax_lvl.set_ylabel("pressure level")
-
-    # the micro-batch size of each step
+    _memory_panel(axes[0], run, summary.budget_bytes, t0)
+    _level_panel(axes[1], run, t0)
     handles: dict[str, Any] = {}
-    if steps:
-        ax_mb = axes[2]
-        xs = [e["t"] - t0 for e in steps]
-        ys = [e["micro_batch"] for e in steps]
-        ax_mb.plot(xs, ys, "-o", color="#1c7ed6", ms=2.5, lw=1.4, drawstyle="steps-pre",
-                   label="micro-batch size of the step")
-        # a decision is marked where the new size starts: the end of the step before
-        began = xs[:1] + xs[:-1]
-        for action, marker, colour in (("shrink", "v", "#f76707"), ("grow", "^", "#2f9e44")):
-            pts = [(x, y) for x, y, e in zip(began, ys, steps) if e.get("action") == action]
-            if pts:
-                handles[action] = ax_mb.plot(
-                    [x for x, _ in pts], [y for _, y in pts], marker, color=colour, ms=9,
-                    ls="none", label=action)[0]
-        ax_mb.set_ylim(0, max(ys) * 1.15)
-        ax_mb.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax_mb.legend(loc="best", fontsize=8, framealpha=0.9)
-        ax_mb.set_ylabel("micro-batch (samples)")
-        ax_mb.grid(alpha=0.3)
+    if has_steps:
+        _micro_panel(axes[2], run, t0, handles)
     else:
-        ax_lvl.set_title("no step events: the run had no memguard.Guard", loc="right",
-                         fontsize=9, color="#868e96")
+        axes[1].set_title("no step events: the run had no memguard.Guard", loc="right",
+                          fontsize=9, color="#868e96")
     axes[-1].set_xlabel("time since start (s)")
-
-    # events across every panel
-    labelled = 0
-    last_label = -math.inf
-    width_s = max([e["t"] - t0 for e in timed] + ts + [1e-9])
-    for e in timed:
-        kind = _line_kind(e)
-        if kind is None:
-            continue
-        label, colour, style, width = _LINES[kind]
-        x = e["t"] - t0
-        for ax in axes:
-            ax.axvline(x, color=colour, ls=style, lw=width, alpha=0.85)
-        # reliefs also get a marker on top: one often shares its time with an OOM's line
-        marker = "v" if kind == "relieve" else "none"
-        if kind == "relieve":
-            ax_mem.plot([x], [1.0], marker, color=colour, ms=7, clip_on=False,
-                        transform=ax_mem.get_xaxis_transform())
-        handles.setdefault(kind, Line2D([], [], color=colour, ls=style, lw=width,
-                                        marker=marker, label=label))
-        if kind == "other" and labelled < _MAX_LABELS:
-            labelled += 1
-            # labels of close events are staggered so they do not overprint
-            y = 0.98 if x - last_label > 0.02 * width_s else 0.7
-            last_label = x if y == 0.98 else last_label
-            ax_mem.text(x, y, f"{e.get('event')} ", transform=ax_mem.get_xaxis_transform(),
-                        rotation=90, va="top", ha="right", fontsize=7, color="#495057")
-    if timed or samples:
-        ends = ts + [e["t"] - t0 for e in timed]
-        axes[-1].set_xlim(min(ends + [0.0]), max(ends) + 1e-3 if ends else 1.0)
+    _event_lines(axes, run, t0, handles)
+    if run.t_hi >= run.t_lo:
+        axes[-1].set_xlim(min(run.t_lo - t0, 0.0), run.t_hi - t0 + 1e-3)
     order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "relieve", "checkpoint_on",
              "checkpoint_off", "critical", "other"]
     shown = [handles[k] for k in order if k in handles]
@@ -374,6 +452,120 @@ def _figure(title: str, meta: dict[str, Any], samples: list[Sample], events: lis
         fig.legend(handles=shown, loc="outside lower center", ncols=min(len(shown), 5),
                    fontsize=9, title="events", title_fontsize=9)
     return fig
+
+
+def _memory_panel(ax: Any, run: _Run, budget: int | None, t0: float) -> None:
+    """Memory against the budget: RSS, the arena, the budgets, the step peaks."""
+    top = max(run.top, budget or 0, run.arena_budget_max or 0, run.top_peak)
+    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+
+    def line(name: str) -> tuple[list[float], list[float]]:
+        xs, ys = run.lines[name].points()
+        return [x - t0 for x in xs], [y / scale for y in ys]
+
+    drawn = False
+    for field, label, colour, style in (
+            ("rss_bytes", "RSS", "#1c7ed6", "-"),
+            ("arena_allocated_bytes", "arena allocated", "#f08c00", "-"),
+            ("arena_reserved_bytes", "arena reserved", "#f08c00", ":")):
+        xs, ys = line(field)
+        if any(not math.isnan(y) for y in ys):
+            ax.plot(xs, ys, style, color=colour, lw=1.6, label=label)
+            drawn = True
+    if run.budget:
+        ax.plot(*line("budget_bytes"), "--", color="black", lw=1.4, drawstyle="steps-post",
+                label="budget")
+    elif budget:
+        ax.axhline(budget / scale, ls="--", color="black", lw=1.4, label="budget")
+    # the arena's own budget, where it is not the one the samples compare RSS with
+    if run.arena_budget_drawn(budget):
+        ax.plot(*line("arena_budget_bytes"), "-.", color="#f08c00", lw=1.2,
+                drawstyle="steps-post", label="arena budget")
+    xs, ys = run.step_peaks.points()
+    if xs:
+        ax.plot([x - t0 for x in xs], [y / scale for y in ys], "o", ms=3.5, color="#495057",
+                label="step peak")
+        drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "no memory samples in this file", transform=ax.transAxes,
+                ha="center", va="center", color="#868e96")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_ylim(bottom=0)
+    ax.set_title("memory against the budget", loc="left", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=9, framealpha=0.9)
+
+
+def _level_panel(ax: Any, run: _Run, t0: float) -> None:
+    """The pressure level, raw and with hysteresis, over coloured bands."""
+    for lv, colour in zip(Level, _LEVEL_COLOURS):
+        ax.axhspan(lv - 0.5, lv + 0.5, color=colour, lw=0)
+    if run.samples:
+        for name, colour, lw, alpha, label in (
+                ("raw_level", "#868e96", 0.8, 0.8, "raw level (this sample)"),
+                ("level", "#c92a2a", 2, None, "level (with hysteresis)")):
+            xs, ys = run.lines[name].points()
+            ax.plot([x - t0 for x in xs], ys, color=colour, lw=lw, drawstyle="steps-post",
+                    alpha=alpha, label=label)
+        ax.legend(loc="best", fontsize=8, framealpha=0.9)
+    else:
+        ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center",
+                va="center", color="#868e96")
+    ax.set_yticks([int(lv) for lv in Level], [lv.name for lv in Level])
+    ax.set_ylim(-0.5, 3.5)
+    ax.set_ylabel("pressure level")
+
+
+def _micro_panel(ax: Any, run: _Run, t0: float, handles: dict[str, Any]) -> None:
+    """The micro-batch size of each step, with the shrink and grow decisions."""
+    from matplotlib.ticker import MaxNLocator
+
+    xs, ys = run.micro_line.points()
+    ax.plot([x - t0 for x in xs], ys, "-o", color="#1c7ed6", ms=2.5, lw=1.4,
+            drawstyle="steps-pre", label="micro-batch size of the step")
+    for action, marker, colour in (("shrink", "v", "#f76707"), ("grow", "^", "#2f9e44")):
+        mx, my = run.marks[action].points()
+        if mx:
+            handles[action] = ax.plot([x - t0 for x in mx], my, marker, color=colour, ms=9,
+                                      ls="none", label=action)[0]
+    ax.set_ylim(0, max(ys) * 1.15)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(loc="best", fontsize=8, framealpha=0.9)
+    ax.set_ylabel("micro-batch (samples)")
+    ax.grid(alpha=0.3)
+
+
+def _event_lines(axes: list[Any], run: _Run, t0: float, handles: dict[str, Any]) -> None:
+    """Each event as a vertical line across every panel, one collection per kind;
+    other events labelled (the first :data:`_MAX_LABELS`)."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.lines import Line2D
+
+    for kind, series in run.event_lines.items():
+        label, colour, style, width = _LINES[kind]
+        xs = [x - t0 for x in series.points()[0]]
+        for ax in axes:
+            ax.add_collection(LineCollection([[(x, 0), (x, 1)] for x in xs], colors=colour,
+                                             linestyles=style, linewidths=width, alpha=0.85,
+                                             transform=ax.get_xaxis_transform()),
+                              autolim=False)
+        # reliefs also get a marker on top: one often shares its time with an OOM's line
+        marker = "v" if kind == "relieve" else "none"
+        if kind == "relieve":
+            axes[0].plot(xs, [1.0] * len(xs), marker, ls="none", color=colour, ms=7,
+                         clip_on=False, transform=axes[0].get_xaxis_transform())
+        handles[kind] = Line2D([], [], color=colour, ls=style, lw=width, marker=marker,
+                               label=label)
+    last_label = -math.inf
+    width_s = max(run.t_hi - t0, 1e-9)
+    for t, name in run.labels():
+        x = t - t0
+        # labels of close events are staggered so they do not overprint
+        y = 0.98 if x - last_label > 0.02 * width_s else 0.7
+        last_label = x if y == 0.98 else last_label
+        axes[0].text(x, y, f"{name} ", transform=axes[0].get_xaxis_transform(), rotation=90,
+                     va="top", ha="right", fontsize=7, color="#495057")
 
 
 def _html(summary: RunSummary, png: bytes) -> str:
@@ -427,9 +619,9 @@ def report(path: str | os.PathLike, out: str | os.PathLike) -> RunSummary:
     ext = os.path.splitext(o)[1].lower()
     if ext not in FORMATS:
         raise ValueError(f"report output {o!r} must end in {' or '.join(FORMATS)}")
-    meta, samples, events = load(path)
-    summary = summarize(meta, samples, events, path)
-    fig = _figure(os.fspath(path), meta, samples, events, summary)
+    run = scan(path)
+    summary = run.summary(path)
+    fig = _figure(os.fspath(path), run, summary)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     png = buf.getvalue()

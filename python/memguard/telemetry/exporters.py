@@ -11,10 +11,10 @@ import platform
 import threading
 import time
 import warnings
-from collections.abc import Mapping
-from typing import IO, Any
+from collections.abc import Iterator, Mapping
+from typing import IO, Any, BinaryIO
 
-from memguard._common import VERSION, finite, unwritable
+from memguard._common import VERSION, finite, size, unwritable
 from memguard.telemetry.samples import FIELD_NAMES, SCHEMA_NAME, SCHEMA_VERSION, Level, Sample
 
 
@@ -144,47 +144,115 @@ def check_export_path(path: str | os.PathLike) -> str:
     return p
 
 
+#: A telemetry line longer than this is skipped unread (a record is a few KiB).
+MAX_LINE_BYTES = 1 << 20
+#: A line still going on after this many bytes ends the reading: what follows
+#: is not JSON lines (``/dev/zero``, a disk image) or has no end.
+MAX_SKIP_BYTES = 1 << 28
+_READ_BUFFER = 1 << 16
+_SHOWN = 5              # skipped lines a warning names
+
+
+def bounded_lines(f: BinaryIO) -> Iterator[tuple[int, bytes, str | None]]:
+    """The lines of a binary file, numbered from 1, never holding more than
+    :data:`MAX_LINE_BYTES` of one.
+
+    Yields:
+        ``(number, line, None)``; or ``(number, b"", why)`` for a line longer
+        than :data:`MAX_LINE_BYTES`, skipped unread. A line that has not ended
+        after :data:`MAX_SKIP_BYTES` is the last one: the rest is not read.
+    """
+    n = 0
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        n += 1
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield n, line, None
+            continue
+        skipped = len(line)
+        while line and not line.endswith(b"\n") and skipped <= MAX_SKIP_BYTES:
+            line = f.readline(MAX_LINE_BYTES)
+            skipped += len(line)
+        if line and not line.endswith(b"\n"):
+            yield n, b"", (f"goes on past {size(MAX_SKIP_BYTES)} without a newline; "
+                           f"the rest of the file is not read")
+            return
+        yield n, b"", f"longer than {size(MAX_LINE_BYTES)}, not read"
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict[str, Any] | Sample]]:
+    """Stream a JSONL telemetry file, in memory bounded by :data:`MAX_LINE_BYTES`
+    whatever its length.
+
+    A line that cannot be read (cut short when a run was killed, not JSON or
+    not UTF-8, longer than :data:`MAX_LINE_BYTES`, a sample whose fields are
+    not numbers) is skipped; once the file is read to its end, one
+    :class:`SkippedLinesWarning` counts the skipped lines and names the first
+    few by number and why.
+
+    Yields:
+        ``("meta", header)`` first, then ``("sample", Sample)`` and
+        ``("event", record)`` in file order (a later header: ``("meta", ...)``
+        again).
+
+    Raises:
+        ValueError: not a memguard telemetry file (no header on its first
+            record), or a newer schema.
+        OSError: the file cannot be opened or read.
+    """
+    where = os.fspath(path)
+    meta = False
+    skipped: list[tuple[int, str]] = []   # the first _SHOWN
+    count = 0
+    with open(where, "rb", buffering=_READ_BUFFER) as f:
+        for n, raw, why in bounded_lines(f):
+            if why is None and not raw.strip():
+                continue
+            rec, why = _record(raw) if why is None else (None, why)
+            if rec is not None and rec.get("type") == "meta":
+                _check_meta(where, rec)
+                meta = True
+                yield "meta", rec
+            elif not meta:
+                raise ValueError(f"{where!r} is not memguard telemetry: line {n} comes before "
+                                 f"any memguard header ({why or 'not a header record'})")
+            elif why is not None:
+                count += 1
+                if len(skipped) < _SHOWN:
+                    skipped.append((n, why))
+            elif rec["type"] == "sample":
+                yield "sample", Sample.from_dict(rec)
+            else:
+                yield "event", rec
+    if not meta:
+        raise ValueError(f"{where!r} has no memguard telemetry header")
+    if count:
+        shown = "; ".join(f"line {n}: {why}" for n, why in skipped)
+        more = f"; and {count - len(skipped)} more" if count > len(skipped) else ""
+        warnings.warn(f"{where}: skipped {count} unreadable line(s) ({shown}{more})",
+                      SkippedLinesWarning, stacklevel=2)
+
+
 def read_jsonl(path: str | os.PathLike) -> tuple[dict[str, Any], list[Sample], list[dict]]:
     """Read a JSONL telemetry file back: (meta, samples, events).
 
-    A line that cannot be read (cut short when a run was killed, not JSON, a
-    sample whose fields are not numbers) is skipped, and one
-    :class:`SkippedLinesWarning` names the skipped lines by number and why;
-    the rest of the run is read.
+    The file is read by :func:`iter_jsonl` (a large one is better streamed
+    with it): unreadable lines are skipped, and one
+    :class:`SkippedLinesWarning` names them.
 
     Raises:
         ValueError: not a memguard telemetry file (no header on its first
             record), or a newer schema.
     """
-    where = os.fspath(path)
     meta: dict[str, Any] = {}
     samples: list[Sample] = []
     events: list[dict] = []
-    skipped: list[tuple[int, str]] = []
-    with open(where, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec, why = _record(line)
-            if rec is not None and rec.get("type") == "meta":
-                _check_meta(where, rec)
-                meta = rec
-            elif not meta:
-                raise ValueError(f"{where!r} is not memguard telemetry: line {n} comes before "
-                                 f"any memguard header ({why or 'not a header record'})")
-            elif why is not None:
-                skipped.append((n, why))
-            elif rec["type"] == "sample":
-                samples.append(Sample.from_dict(rec))
-            else:
-                events.append(rec)
-    if not meta:
-        raise ValueError(f"{where!r} has no memguard telemetry header")
-    if skipped:
-        shown = "; ".join(f"line {n}: {why}" for n, why in skipped[:5])
-        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-        warnings.warn(f"{where}: skipped {len(skipped)} unreadable line(s) ({shown}{more})",
-                      SkippedLinesWarning, stacklevel=2)
+    for kind, rec in iter_jsonl(path):
+        if kind == "meta":
+            meta = rec
+        elif kind == "sample":
+            samples.append(rec)
+        else:
+            events.append(rec)
     return meta, samples, events
 
 
@@ -201,8 +269,12 @@ def _check_meta(where: str, rec: dict) -> None:
                          f"memguard's {SCHEMA_VERSION}")
 
 
-def _record(line: str) -> tuple[dict | None, str | None]:
+def _record(raw: bytes) -> tuple[dict | None, str | None]:
     """(the record, None), or (what could be parsed, why it is unreadable)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text ({exc.reason} at byte {exc.start})"
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as exc:
