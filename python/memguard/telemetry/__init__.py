@@ -12,6 +12,7 @@ from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.events import Event
 from memguard.telemetry.exporters import (
     CsvExporter,
+    ExportStoppedWarning,
     JsonlExporter,
     SkippedLinesWarning,
     open_exporter,
@@ -34,6 +35,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "CsvExporter",
     "Event",
+    "ExportStoppedWarning",
     "JsonlExporter",
     "Level",
     "PressureEvent",

@@ -12,19 +12,38 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, Callable
 
 from memguard._common import VERSION, finite, size, unwritable
 from memguard.telemetry.samples import FIELD_NAMES, SCHEMA_NAME, SCHEMA_VERSION, Level, Sample
 
 
+class ExportStoppedWarning(UserWarning):
+    """An exporter could not write its file (a full disk, a lost mount) and
+    writes no more; the run it watches goes on."""
+
+
+def warn_export_stopped(where: str, exc: OSError) -> None:
+    """Say that writing telemetry to ``where`` failed with ``exc`` and
+    stopped (its exporter says so once)."""
+    warnings.warn(f"memguard: telemetry to {where!r} stopped: {exc}; the run goes on "
+                  f"without it", ExportStoppedWarning, stacklevel=3)
+
+
 class Exporter:
-    """Base: a callable taking samples, writing to a file, closable."""
+    """Base: a callable taking samples, writing to a file, closable.
+
+    A write, flush or close that raises :class:`OSError` (a full disk, a
+    lost mount) stops the exporter with one :class:`ExportStoppedWarning`:
+    telemetry never fails the step, the sample or the uninstall it serves.
+    """
 
     def __init__(self, path: str | os.PathLike | IO[str]) -> None:
+        self._stopped = False  # an OSError ended its writing
         if isinstance(path, io.TextIOBase):
             self._f: IO[str] = path
             self._owns = False
+            self._where = str(getattr(path, "name", repr(path)))
         else:
             where = os.fspath(path)
             try:
@@ -34,6 +53,7 @@ class Exporter:
                 raise ValueError(f"cannot write telemetry to {where!r}: "
                                  f"{unwritable(exc, where)}") from exc
             self._owns = True
+            self._where = where
         self._lock = threading.Lock()
 
     def __call__(self, s: Sample) -> None:
@@ -41,12 +61,31 @@ class Exporter:
 
     def close(self) -> None:
         """Flush, and close the file if this exporter opened it."""
+        self._io(self._finish)
+
+    def _finish(self) -> None:
+        self._f.flush()
+        if self._owns:
+            self._f.close()
+
+    def _io(self, op: Callable[..., Any], *args: Any) -> None:
+        """``op(*args)`` on the file unless it is closed or the exporter
+        stopped; an OSError stops the exporter (closing a file it opened)
+        and warns."""
         with self._lock:
-            if self._f.closed:
+            if self._stopped or self._f.closed:
                 return
-            self._f.flush()
+            try:
+                op(*args)
+                return
+            except OSError as exc:
+                self._stopped, error = True, exc
             if self._owns:
-                self._f.close()
+                try:
+                    self._f.close()  # flushes what is left, fails again, and closes
+                except OSError:
+                    pass
+        warn_export_stopped(self._where, error)
 
     def __enter__(self) -> Exporter:
         return self
@@ -86,9 +125,7 @@ class JsonlExporter(Exporter):
 
     def _write(self, rec: Mapping[str, Any]) -> None:
         line = json.dumps({k: _json_safe(v) for k, v in rec.items()}, separators=(",", ":"))
-        with self._lock:
-            if not self._f.closed:
-                self._f.write(line + "\n")
+        self._io(self._f.write, line + "\n")
 
     def __call__(self, s: Sample) -> None:
         rec: dict[str, Any] = {"type": "sample"}
@@ -109,7 +146,7 @@ class CsvExporter(Exporter):
     def __init__(self, path: str | os.PathLike | IO[str]) -> None:
         super().__init__(path)
         self._w = csv.writer(self._f)
-        self._w.writerow(("schema_version",) + FIELD_NAMES)
+        self._io(self._w.writerow, ("schema_version",) + FIELD_NAMES)
 
     def __call__(self, s: Sample) -> None:
         d = s.to_dict()
@@ -117,9 +154,7 @@ class CsvExporter(Exporter):
             "" if d[k] is None else (" ".join(d[k]) if k == "reasons" else d[k])
             for k in FIELD_NAMES
         ]
-        with self._lock:
-            if not self._f.closed:
-                self._w.writerow(row)
+        self._io(self._w.writerow, row)
 
 
 def open_exporter(path: str | os.PathLike) -> Exporter:

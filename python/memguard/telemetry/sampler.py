@@ -25,18 +25,35 @@ from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.exporters import Exporter, check_export_path, open_exporter
 from memguard.telemetry.samples import Level, PressureEvent, Sample
 
+#: CPython's ``UnraisableHookArgs``, the one type the default
+#: :func:`sys.unraisablehook` accepts; it has no importable name, but it is a
+#: tuple subclass (None where an interpreter has no such type).
+_HOOK_ARGS: type | None = next((t for t in tuple.__subclasses__()
+                                if t.__name__ == "UnraisableHookArgs"), None)
+
+
+def _hook_args(exc_type: Any, exc: Any, tb: Any, err_msg: str, obj: object) -> Any:
+    """What :func:`sys.unraisablehook` takes, for the exception given."""
+    if _HOOK_ARGS is not None:
+        return _HOOK_ARGS((exc_type, exc, tb, err_msg, obj))
+    return types.SimpleNamespace(exc_type=exc_type, exc_value=exc, exc_traceback=tb,
+                                 err_msg=err_msg, object=obj)
+
 
 def _report_callback_error(cb: Callable[..., Any]) -> None:
-    exc_type, exc, tb = sys.exc_info()
-    sys.unraisablehook(
-        types.SimpleNamespace(
-            exc_type=exc_type,
-            exc_value=exc,
-            exc_traceback=tb,
-            err_msg="Exception ignored in memguard telemetry callback",
-            object=cb,
-        )
-    )
+    """Hand the exception being handled to :func:`sys.unraisablehook`, as
+    the interpreter does for a failing ``gc`` callback; never raises, so the
+    callback thread outlives any callback (and any hook)."""
+    hook = sys.unraisablehook
+    try:
+        hook(_hook_args(*sys.exc_info(), "Exception ignored in memguard telemetry callback",
+                        cb))
+    except BaseException:  # noqa: BLE001 - as the interpreter does: the default hook says why
+        try:
+            sys.__unraisablehook__(_hook_args(*sys.exc_info(),
+                                              "Exception ignored in sys.unraisablehook", hook))
+        except BaseException:  # noqa: BLE001, S110 - nowhere left to report; telemetry goes on
+            pass
 
 
 _live: weakref.WeakSet[Sampler] = weakref.WeakSet()
@@ -297,7 +314,7 @@ class Sampler:
         for cb in on_sample:
             try:
                 cb(s)
-            except Exception:  # noqa: BLE001 - a failing callback must not stop telemetry
+            except BaseException:  # noqa: BLE001 - a failing callback must not stop telemetry
                 _report_callback_error(cb)
         if s.level != self._last_level:
             ev = PressureEvent(old=self._last_level, new=s.level, sample=s)
@@ -305,7 +322,7 @@ class Sampler:
             for cb in on_pressure:
                 try:
                     cb(ev)
-                except Exception:  # noqa: BLE001 - as above
+                except BaseException:  # noqa: BLE001 - as above
                     _report_callback_error(cb)
 
     def _after_fork_in_child(self) -> None:

@@ -31,10 +31,11 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from memguard._common import finite
 from memguard.telemetry.events import Event
+from memguard.telemetry.exporters import warn_export_stopped
 from memguard.telemetry.samples import Sample
 
 #: Scalar tag -> sample field; a field that is None in a sample is skipped.
@@ -75,6 +76,9 @@ COUNTED_TAGS: dict[str, str] = {
 class TensorBoardExporter:
     """Write telemetry samples and guard events as TensorBoard scalars.
 
+    Like the file exporters, an :class:`OSError` from writing (a full disk)
+    stops it with one :class:`~memguard.telemetry.ExportStoppedWarning`.
+
     Args:
         log_dir: the run's directory (what ``tensorboard --logdir`` points at
             or below).
@@ -103,13 +107,30 @@ class TensorBoardExporter:
         if v is not None:
             self._w.add_scalar(tag, v, global_step=step, walltime=walltime)
 
-    def __call__(self, s: Sample) -> None:
-        """Write one sample's scalars at step ``s.seq``."""
+    def _io(self, op: Callable[..., Any], *args: Any) -> None:
+        """``op(*args)`` under the lock unless closed; an OSError closes the
+        writer and warns."""
         with self._lock:
             if self._closed:
                 return
-            for tag, field in SAMPLE_TAGS.items():
-                self._add(tag, getattr(s, field), s.seq, s.t)
+            try:
+                op(*args)
+                return
+            except OSError as exc:
+                self._closed, error = True, exc
+            try:
+                self._w.close()
+            except OSError:
+                pass
+        warn_export_stopped(self.log_dir, error)
+
+    def __call__(self, s: Sample) -> None:
+        """Write one sample's scalars at step ``s.seq``."""
+        self._io(self._sample, s)
+
+    def _sample(self, s: Sample) -> None:
+        for tag, field in SAMPLE_TAGS.items():
+            self._add(tag, getattr(s, field), s.seq, s.t)
 
     def event(self, name: Event | str, **data: Any) -> None:
         """Write one event: a ``step`` as its throttle scalars, a
@@ -117,41 +138,38 @@ class TensorBoardExporter:
         running count of its kind (``throttle/ooms_recovered``,
         ``gc/reliefs``, ``events/<name>`` for others). Fields that are not
         numbers are left out."""
+        self._io(self._event, str(name), data)
+
+    def _event(self, name: str, data: dict[str, Any]) -> None:
         t = finite(data.get("t")) or time.time()
-        name = str(name)
-        with self._lock:
-            if self._closed:
-                return
-            step = finite(data.get("step"))
-            if step is not None:
-                self._step = int(step)
-            if name == Event.STEP:
-                for tag, field in STEP_TAGS.items():
-                    self._add(tag, data.get(field), self._step, t)
-                return
-            if name == Event.CHECKPOINT:
-                self._add("throttle/checkpointed_blocks", data.get("blocks"), self._step, t)
-            elif name == Event.RELIEVE:
-                self._add("gc/relief_seconds", data.get("seconds"), self._step, t)
-                self._add("gc/arena_released_bytes", data.get("arena_released_bytes"),
-                          self._step, t)
-            self._counts[name] += 1
-            self._add(COUNTED_TAGS.get(name, f"events/{name}"), self._counts[name],
+        step = finite(data.get("step"))
+        if step is not None:
+            self._step = int(step)
+        if name == Event.STEP:
+            for tag, field in STEP_TAGS.items():
+                self._add(tag, data.get(field), self._step, t)
+            return
+        if name == Event.CHECKPOINT:
+            self._add("throttle/checkpointed_blocks", data.get("blocks"), self._step, t)
+        elif name == Event.RELIEVE:
+            self._add("gc/relief_seconds", data.get("seconds"), self._step, t)
+            self._add("gc/arena_released_bytes", data.get("arena_released_bytes"),
                       self._step, t)
+        self._counts[name] += 1
+        self._add(COUNTED_TAGS.get(name, f"events/{name}"), self._counts[name],
+                  self._step, t)
 
     def flush(self) -> None:
         """Write what is buffered to the event file now."""
-        with self._lock:
-            if not self._closed:
-                self._w.flush()
+        self._io(self._w.flush)
 
     def close(self) -> None:
         """Flush and close the event file. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._w.close()
+        self._io(self._finish)
+
+    def _finish(self) -> None:
+        self._closed = True
+        self._w.close()
 
     def __enter__(self) -> TensorBoardExporter:
         return self
