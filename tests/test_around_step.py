@@ -82,7 +82,7 @@ def test_an_allocation_past_the_budget_outside_a_step_is_served_and_reported(tmp
         with pytest.warns(BudgetOverrunWarning, match=r"outside a guarded step.*64\.0 MiB"):
             big = torch.ones(96 * MiB, dtype=torch.uint8)    # no split can help here
             deadline = time.monotonic() + 10                 # the sampler's thread reports it
-            while g.overruns.check() == 0 and time.monotonic() < deadline and \
+            while g.boundary.overruns.check() == 0 and time.monotonic() < deadline and \
                     '"overrun"' not in path.read_text():
                 time.sleep(0.02)
         assert int(big[-1]) == 1

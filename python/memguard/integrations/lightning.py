@@ -109,7 +109,7 @@ class MemGuardCallback(Callback):
     # -- lifecycle -----------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.guard.install()
-        self.guard.overruns.where = lambda: _stage(trainer)
+        self.guard.boundary.overruns.where = lambda: _stage(trainer)
         if self._pending is not None:
             _resume(self.guard, self._pending)
             self._pending = None
@@ -129,7 +129,7 @@ class MemGuardCallback(Callback):
         self._end()
 
     def _end(self) -> None:
-        self.guard.overruns.where = None
+        self.guard.boundary.overruns.where = None
         self.guard.uninstall()
 
     # -- checkpoints ---------------------------------------------------------

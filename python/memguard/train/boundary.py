@@ -16,6 +16,7 @@ from memguard.memory.gc_hooks import GcHooks
 from memguard.memory.room import Room
 from memguard.telemetry.events import Event
 from memguard.telemetry.samples import Level
+from memguard.train.overruns import Overruns
 from memguard.train.peaks import PeakMeter
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
@@ -26,6 +27,10 @@ class Boundary:
 
     def __init__(self, room: Room, signals: Signals, plan: Plan, gc: GcHooks) -> None:
         self.room, self.signals, self.planner, self.gc = room, signals, plan, gc
+        #: allocations past the tensor budget outside steps, reported (at
+        #: each sample, each boundary, the end of an evaluation)
+        self.overruns = Overruns(signals.event, lambda: gc.relieve("overrun"))
+        signals.after_sample = self.overruns.check
         self.peak = PeakMeter()
         self.floor = 0          # what the peak's source held as the step began
         #: whether the guard is installed (it manages the arena only then)
@@ -34,6 +39,7 @@ class Boundary:
     def begin(self, batch: Any, n: int, peers: Any, step: int, budget: int) -> tuple[int, dict]:
         """The boundary before step number ``step`` of ``n`` samples:
         returns its size and what its event records of the plan."""
+        self.overruns.check()
         level = self.signals.boundary_level()   # first: it pushes the last step's CUDA peaks
         self._follow_room(level, step)
         self.floor = self.peak.start(batch)

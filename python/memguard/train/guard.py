@@ -47,7 +47,6 @@ from memguard.train.boundary import Boundary
 from memguard.train.config import GuardConfig
 from memguard.train.distributed import Peers
 from memguard.train.interrupts import held
-from memguard.train.overruns import Overruns
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
 from memguard.train.state import GuardState
@@ -137,10 +136,8 @@ class Guard:
             ``None`` (no budget); by default the ``budget`` option.
         micro_batch: ``"auto"`` or a fixed starting size.
         model: the module trained, for ``no_sync()`` under DDP.
-        **options: the other options of :class:`~memguard.train.config.GuardConfig`
-            (``tensor_budget``, ``min_micro_batch``, ``multiple_of``,
-            ``divisor_of``, ``telemetry``, ``checkpoint``, ``on_critical``,
-            ``cuda_budget``, ...), documented there.
+        **options: the other options (``tensor_budget``, ``min_micro_batch``,
+            ...), documented in :class:`~memguard.train.config.GuardConfig`.
 
     Raises:
         ValueError: a bad budget, size or constraint, naming the value.
@@ -166,9 +163,6 @@ class Guard:
         self.gc.on_event = self.signals.event
         self.planner = Plan(c, self.signals.event, lambda: self.on_critical and self.on_critical(self))
         self.boundary = Boundary(self.room, self.signals, self.planner, self.gc)
-        #: allocations past the tensor budget outside steps, reported
-        self.overruns = Overruns(self.signals.event, lambda: self.gc.relieve("overrun"))
-        self.signals.after_sample = self.overruns.check
         self._peers: Peers | None = None
         self._peers_checked = False
         self._warned: set[str] = set()   # what was warned about once (buffers, a remainder)
@@ -208,7 +202,7 @@ class Guard:
         try:
             if self.config.allocator and "torch" in sys.modules:
                 self.allocator_error = self.room.install_arena(self.signals.latest_sample())
-            self.overruns.start()
+            self.boundary.overruns.start()
             self.signals.install(self.room.budget, live=self.budget is not None)
             self.gc.install()
         except BaseException:
@@ -223,9 +217,8 @@ class Guard:
     def uninstall(self) -> None:
         """Stop the gc hooks, the governor and the sampler; give tensors back
         to the system allocator if :meth:`install` routed them, with the
-        arena's budget as before. Every part runs even when one raises (the
-        first error is raised after, the guard unregistered last), so a new
-        guard can always be installed afterwards. Idempotent."""
+        arena's budget as before; every part, even when one raises (the
+        first error raised after), the guard unregistered last. Idempotent."""
         global _active
         if not self.installed:
             return
@@ -287,8 +280,7 @@ class Guard:
 
     @property
     def peak_source(self) -> str:
-        """Where peak bytes come from: "arena", "cuda", "rss", "footprint" (macOS)
-        (or "none")."""
+        """Where peaks come from: "arena", "cuda", "rss", "footprint", "none"."""
         return self.boundary.peak.source
 
     # -- the step ---------------------------------------------------------------------
@@ -341,7 +333,6 @@ class Guard:
             memguard.PostStepError: ``post_step`` failed after the commit.
         """
         with self._loop.enter("step"):
-            self.overruns.check()
             n = _batch.checked_size(batch)
             args = StepArgs(batch, n, loss_fn, optimizer, scaler, clip_grad_norm, post_step,
                             restore, embed_fn, backward, pre_step, before_optimizer_step)
@@ -369,7 +360,7 @@ class Guard:
                 yield self
         finally:
             self._evaluating -= 1
-            self.overruns.check()
+            self.boundary.overruns.check()
             self.gc.relieve("evaluate", force=True)
 
     def infer(self, batch: Any, fn: Callable[[Any], Any], *, combine: Any = None) -> Any:
