@@ -279,15 +279,16 @@ static void sub_reserved(uint64_t bytes)
     }
 }
 
-/* Empty slot i if pid still holds it, its charge leaving the total, and
- * hand it to next (0: free). 1 when this thread emptied it: of racing
- * callers, one does. */
-static int clear_slot(int i, int32_t pid, int32_t next)
+/* Hand slot i, held as owner, to pid next (0: free) in the next
+ * generation; the charge of the holder leaves the total. 1 when this
+ * thread did it: of racing callers, one does. */
+static int clear_slot(int i, uint64_t owner, int32_t next)
 {
-    if (!atomic_compare_exchange_strong(&T->slot[i].pid, &pid, -1))
+    uint64_t gen = owner >> 32;
+    if (!atomic_compare_exchange_strong(&T->slot[i].owner, &owner, gen << 32 | UINT32_MAX))
         return 0;
     atomic_fetch_sub(&T->total, atomic_exchange(&T->slot[i].charge, 0));
-    atomic_store(&T->slot[i].pid, next);
+    atomic_store(&T->slot[i].owner, (gen + 1) << 32 | (uint32_t)next);
     return 1;
 }
 
@@ -298,9 +299,10 @@ static void tree_reap(void)
 {
     int saved = errno; /* kill's ESRCH is no business of the allocation's caller */
     for (int i = 0; i < MGI_TREE_SLOTS; i++) {
-        int32_t pid = atomic_load(&T->slot[i].pid);
+        uint64_t owner = atomic_load(&T->slot[i].owner);
+        int32_t pid = MGI_SLOT_PID(owner);
         if (pid > 0 && i != tree_slot && kill(pid, 0) != 0 && errno == ESRCH)
-            (void)clear_slot(i, pid, 0);
+            (void)clear_slot(i, owner, 0);
     }
     errno = saved;
 }
@@ -313,17 +315,19 @@ static int tree_claim(void)
 {
     int32_t me = (int32_t)getpid();
     int got = -1;
-    for (int i = 0; i < MGI_TREE_SLOTS; i++)
-        if (atomic_load(&T->slot[i].pid) == me && clear_slot(i, me, got < 0 ? me : 0) &&
-            got < 0)
+    for (int i = 0; i < MGI_TREE_SLOTS; i++) {
+        uint64_t owner = atomic_load(&T->slot[i].owner);
+        if (MGI_SLOT_PID(owner) == me && clear_slot(i, owner, got < 0 ? me : 0) && got < 0)
             got = i;
+    }
     for (int pass = 0; pass < 2 && got < 0; pass++) {
         if (pass)
             tree_reap();
         for (int i = 0; i < MGI_TREE_SLOTS && got < 0; i++) {
-            int32_t zero = 0;
-            if (atomic_load(&T->slot[i].pid) == 0 &&
-                atomic_compare_exchange_strong(&T->slot[i].pid, &zero, me))
+            uint64_t owner = atomic_load(&T->slot[i].owner);
+            if (MGI_SLOT_PID(owner) == 0 &&
+                atomic_compare_exchange_strong(&T->slot[i].owner, &owner,
+                                               ((owner >> 32) + 1) << 32 | (uint32_t)me))
                 got = i;
         }
     }

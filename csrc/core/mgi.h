@@ -223,10 +223,14 @@ typedef struct mgi_tree {
     _Atomic uint64_t budget; /* 0: none */
     _Atomic uint64_t total;  /* the slots' charges added up */
     struct {
-        _Atomic int32_t pid;     /* 0: free; -1: being taken back */
+        /* a generation << 32 | the pid; pid 0: free, -1: being taken back.
+         * Every change of hands counts a generation, so a process whose pid
+         * came back is never taken for the gone one it replaced. */
+        _Atomic uint64_t owner;
         _Atomic uint64_t charge; /* what the process reserved beyond what it inherited */
     } slot[MGI_TREE_SLOTS];
 } mgi_tree_t;
+#define MGI_SLOT_PID(owner) ((int32_t)(uint32_t)(owner))
 
 /* ---- options (options.c) ------------------------------------------------ */
 typedef enum mgi_opt_id {

@@ -1345,11 +1345,12 @@ static int run_tree_child(void *arg)
     return tree_child(t->live, t->blk, t->small_blk);
 }
 
-static int run_slotless_child(void *arg)
+/* A forked child's 1 MiB: 0 or the error. */
+static int run_small_child(void *arg)
 {
     (void)arg;
     void *p = NULL;
-    return mg_arena_alloc(1 * MiB, 64, &p) == ENOMEM ? 0 : 1;
+    return mg_arena_alloc(1 * MiB, 64, &p);
 }
 
 /* A budget shared by a tree (memguard run --budget) through a file, as
@@ -1378,7 +1379,7 @@ static void test_shared_budget(void)
     CHECK_EQ(ftruncate(fd, sizeof(mgi_tree_t)), 0);
     mgi_tree_t *view = mmap(NULL, sizeof(mgi_tree_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     CHECK(view != MAP_FAILED);
-    atomic_store(&view->slot[5].pid, (int32_t)getpid());
+    atomic_store(&view->slot[5].owner, (uint64_t)7 << 32 | (uint32_t)getpid());
     atomic_store(&view->slot[5].charge, 77);
     atomic_store(&view->total, 77);
 
@@ -1388,9 +1389,9 @@ static void test_shared_budget(void)
     CHECK_EQ(mg_arena_share_budget(fd, budget), 0);
     CHECK_EQ(mg_arena_share_budget(-1, 1), 0); /* idempotent: nothing changes */
     CHECK_EQ(atomic_load(&view->magic), MGI_TREE_MAGIC);
-    CHECK_EQ(atomic_load(&view->slot[5].pid), (int32_t)getpid());
+    CHECK_EQ(atomic_load(&view->slot[5].owner), (uint64_t)8 << 32 | (uint32_t)getpid());
     CHECK_EQ(atomic_load(&view->slot[5].charge), s0.reserved_current);
-    CHECK_EQ(atomic_load(&view->slot[0].pid), 0);
+    CHECK_EQ(atomic_load(&view->slot[0].owner), 0);
     CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current);
     CHECK_EQ(st().budget_bytes, budget);
 
@@ -1417,22 +1418,31 @@ static void test_shared_budget(void)
     CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &extra), 0);
     CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk + small_blk);
 
-    /* every slot held by a live process not of the tree: a child is refused */
-    int32_t stranger = (int32_t)getppid();
+    /* with room in the budget, a child's 1 MiB fits; with every slot held
+     * by a live process not of the tree, it is refused */
+    mg_arena_free(extra);
+    mg_arena_trim(0, NULL);
+    CHECK_EQ(forked(run_small_child, NULL, go, &pid), 0);
+    release(go, pid);
+    mg_arena_set_budget(budget); /* takes back the slot of the child that is gone */
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
+    uint32_t stranger = (uint32_t)getppid();
     for (int i = 0; i < MGI_TREE_SLOTS; i++) {
-        int32_t zero = 0;
-        (void)atomic_compare_exchange_strong(&view->slot[i].pid, &zero, stranger);
+        uint64_t owner = atomic_load(&view->slot[i].owner);
+        if (MGI_SLOT_PID(owner) == 0)
+            CHECK(atomic_compare_exchange_strong(&view->slot[i].owner, &owner,
+                                                 (owner & ~(uint64_t)UINT32_MAX) | stranger));
     }
     printf("  (a line saying a process is refused memory is expected next)\n");
-    CHECK_EQ(forked(run_slotless_child, NULL, go, &pid), 0);
+    CHECK_EQ(forked(run_small_child, NULL, go, &pid), ENOMEM);
     release(go, pid);
     for (int i = 0; i < MGI_TREE_SLOTS; i++) {
-        int32_t held = stranger;
-        (void)atomic_compare_exchange_strong(&view->slot[i].pid, &held, 0);
+        uint64_t owner = atomic_load(&view->slot[i].owner);
+        if (MGI_SLOT_PID(owner) == (int32_t)stranger)
+            atomic_store(&view->slot[i].owner, owner & ~(uint64_t)UINT32_MAX);
     }
-    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk + small_blk);
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
 
-    mg_arena_free(extra);
     mg_arena_free(more);
     mg_arena_free(mine);
     close(go[0]), close(go[1]);
