@@ -209,3 +209,158 @@ def test_preload_env_keeps_existing_preloads():
     libs = env["LD_PRELOAD"].split(":")
     assert libs[0].endswith("libmemguard_preload.so") and libs[-1] == "/x/other.so"
     assert env["MEMGUARD_BUDGET"] == "1GiB"
+
+
+# The tree budget's three ways round, each with real processes under
+# `memguard run --budget`: forked children that reuse what their parent had
+# cached, more children than the tree once had slots for, and children
+# started by exec (subprocess, multiprocessing's spawn). Plain Python
+# buffers: a bytearray reaches the shim's malloc as a tensor reaches its
+# posix_memalign, without torch's seconds of import in every process.
+TREE_MODE = MODES[-1]  # jemalloc where installed, as `memguard run` does by default
+
+
+def test_tree_budget_charges_a_forked_childs_reuse_of_inherited_memory():
+    """A DataLoader-style worker does not reuse its parent's cached block,
+    nor a block it inherited live and freed, uncharged (writing either
+    would make its own copy of the pages): with 448 MiB held by the parent,
+    256 MiB more do not fit a 512 MiB budget in the child, 192 MiB neither,
+    48 MiB do. (Sizes a page short of the arena's size classes.)"""
+    code = """
+        import json, os, memguard
+        def mib(n):
+            return n * 2**20 - 4096
+        keep = bytearray(mib(192))
+        spare = bytearray(mib(256))
+        del spare                           # cached by the parent
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            held, out = [], {}
+            def attempt(name, n):
+                try:
+                    held.append(bytearray(mib(n)))
+                    out[name] = "fit"
+                except MemoryError:
+                    out[name] = "oom"
+            attempt("cached", 256)          # the size of the parent's cached block
+            del keep                        # inherited live, freed here
+            attempt("freed", 192)
+            attempt("small", 48)            # what is left of the budget
+            out["tree"] = memguard.stats()["tree_reserved_bytes"]
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        child = json.loads(os.read(r, 4096))
+        os.waitpid(pid, 0)
+        print(json.dumps(child))
+    """
+    out = memguard_run(code, "--budget", "512MiB", mode=TREE_MODE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "MemguardConfigWarning" not in out.stderr   # MEMGUARD_TREE is memguard run's own
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["cached"], r["freed"], r["small"]) == ("oom", "oom", "fit"), r
+    assert (448 + 48) * 2**20 <= r["tree"] <= 512 * 2**20, r
+
+
+def test_tree_budget_holds_for_seventy_forked_children():
+    """70 children holding 10 MiB each do not fit 512 MiB: every child is
+    charged, the 64th and later ones too, whichever allocates first (here
+    the youngest, one after another)."""
+    code = """
+        import json, os, memguard
+        n = 70
+        hold_r, hold_w = os.pipe()
+        res_r, res_w = os.pipe()
+        starts = []
+        for _ in range(n):
+            start_r, start_w = os.pipe()
+            if os.fork() == 0:
+                os.close(hold_w)
+                os.read(start_r, 1)
+                before = memguard.stats()["reserved_bytes.current"]
+                try:
+                    held = bytearray(10 * 2**20)
+                    said = "fit"
+                except MemoryError:
+                    said = "oom"
+                took = memguard.stats()["reserved_bytes.current"] - before
+                os.write(res_w, f"{said} {took}".encode().ljust(64))
+                os.read(hold_r, 1)          # hold it until every child has tried
+                os._exit(0)
+            os.close(start_r)
+            starts.append(start_w)
+        said = []
+        for start in reversed(starts):
+            os.write(start, b"g")
+            said.append(os.read(res_r, 64).decode().split())
+        s = memguard.stats()
+        os.close(hold_w)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+        fits = [int(took) for what, took in said if what == "fit"]
+        print(json.dumps({"fit": len(fits), "oom": sum(what == "oom" for what, _ in said),
+                          "held": s["reserved_bytes.current"] + sum(fits),
+                          "tree": s["tree_reserved_bytes"]}))
+    """
+    out = memguard_run(code, "--budget", "512MiB", mode=TREE_MODE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["fit"] + r["oom"] == 70, r
+    assert r["held"] <= 512 * 2**20, r                              # the budget held
+    assert r["fit"] >= 30 and r["held"] <= r["tree"] <= 512 * 2**20, r  # none left out
+
+
+EXEC_CHILD = """
+import sys
+try:
+    b = bytearray(300 << 20)
+    print("fit", flush=True)
+except MemoryError:
+    print("oom", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_tree_budget_holds_for_execd_children():
+    """Three Python processes started by exec (subprocess) each want 300 MiB:
+    under one 512 MiB budget one of them gets it, and the two refused say so
+    as they exit."""
+    code = f"""
+        import json, subprocess, sys
+        procs = [subprocess.Popen([sys.executable, "-c", {EXEC_CHILD!r}], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+        said = [p.stdout.readline().strip() for p in procs]
+        errs = [p.communicate("")[1] for p in procs]
+        print(json.dumps({{"said": said, "errs": errs}}))
+    """
+    out = memguard_run(code, "--budget", "512MiB", mode=TREE_MODE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(r["said"]) == ["fit", "oom", "oom"], r
+    refused = [e for e, s in zip(r["errs"], r["said"]) if s == "oom"]
+    assert all("memguard: the budget of 512.0 MiB" in e and "refused 1 allocation" in e
+               for e in refused), r
+
+
+def test_a_segment_out_of_reach_is_said_and_the_budget_still_holds():
+    """A process whose MEMGUARD_TREE cannot be reached (the run's first
+    process gone) says so, and keeps the budget for itself and its forks."""
+    env = mrun.preload_env("512MiB", jemalloc=False,
+                           env={k: v for k, v in os.environ.items()
+                                if not k.startswith("MEMGUARD_")})
+    env["MEMGUARD_TREE"] = f"{2**22 + 1}:3:12345"     # above any pid_max: no such process
+    out = subprocess.run([sys.executable, "-c", EXEC_CHILD + "b = bytearray(300 << 20)\n"],
+                         input="", env=env, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 1 and out.stdout == "fit\n", out.stderr[-3000:]
+    assert "MemoryError" in out.stderr                # the second 300 MiB: over the budget
+    assert (f"cannot join the budget of the run's other processes (MEMGUARD_TREE={2**22 + 1}"
+            f":3:12345: the run's first process is gone") in out.stderr
+    out = subprocess.run([sys.executable, "-c", "pass"], env=dict(env, MEMGUARD_TREE="x"),
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and "(MEMGUARD_TREE=x: not PID:FD:INODE)" in out.stderr

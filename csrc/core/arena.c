@@ -26,8 +26,10 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "memguard/memguard-arena.h"
@@ -105,24 +107,21 @@ static struct {
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static int init_rc = EAGAIN;
 
-/* One budget for a process and the children it forks (`memguard run
- * --budget`, DataLoader workers): a MAP_SHARED page made before any fork,
- * one slot per process of the tree holding what that process reserved
- * beyond what it inherited at its fork (its base: those blocks are its
- * parent's, shared copy-on-write). A slot whose process is gone (workers
- * leave by _exit, with no hook to run) is taken back when the budget would
- * be passed. */
-#define TREE_SLOTS 63
-typedef struct tree {
-    _Atomic uint64_t budget;
-    struct {
-        _Atomic int32_t pid;       /* 0: free */
-        _Atomic uint64_t charge;
-    } slot[TREE_SLOTS];
-} tree_t;
-static tree_t *T;         /* set once, before any fork; NULL: no shared budget */
-static int tree_slot = -1; /* this process's slot; -1: none (more than TREE_SLOTS) */
-static uint64_t tree_base; /* reserved bytes inherited at fork */
+/* One budget for the processes of a run (`memguard run --budget`): a
+ * MAP_SHARED segment (mgi_tree_t), anonymous and inherited by the children
+ * a process forks (DataLoader workers), or a file that processes started
+ * by exec map too. Its total is taken by a compare-exchange, so the tree
+ * never passes the budget; each process has a slot holding its pid and
+ * what it reserved beyond what it inherited at its fork (inherited live
+ * blocks are its parent's, shared copy-on-write; the parent's cache is not
+ * inherited: drop_inherited_cache). A slot whose process is gone (workers
+ * leave by _exit, with no hook to run) is taken back, its charge with it,
+ * when the budget would be passed or no slot is free. */
+static mgi_tree_t *T;      /* set once, before any fork or thread; NULL: no shared budget */
+static int tree_slot = -1; /* this process's slot; -1: none, and the arena refuses */
+/* Blocks below these addresses are inherited from the parent (NULL: none);
+ * written by the fork handler only. */
+static char *inherited_small, *inherited_large;
 
 /* Size class of n bytes: multiples of 64 up to 512, then four per doubling
  * (so at most 25 % rounding); every class size is a multiple of 64. */
@@ -177,15 +176,21 @@ static void unlock_all(void)
         pthread_mutex_unlock(&A.small[i].lock);
 }
 
-static void tree_join(void);
+static void tree_join(uint64_t charge);
 static void reinit_locks(void);
+static void drop_inherited_cache(void);
 
-/* A forked child (a DataLoader worker) inherits the arena whole; only the
- * locks need re-making, as their holders did not come along. */
+/* A forked child (a DataLoader worker) inherits the arena whole; the locks
+ * need re-making, as their holders did not come along. Under a tree budget
+ * it leaves the parent's cache alone and takes a slot of its own. */
 static void fork_child(void)
 {
     reinit_locks();
-    tree_join();
+    if (T) {
+        drop_inherited_cache();
+        tree_slot = -1;
+        tree_join(0);
+    }
 }
 
 static void reinit_locks(void)
@@ -267,72 +272,161 @@ static int commit(char *p, size_t n)
     return 0;
 }
 
-/* What this process holds against a shared budget: reserved bytes beyond
- * those it inherited. */
-static uint64_t own(uint64_t reserved)
-{
-    return reserved > tree_base ? reserved - tree_base : 0;
-}
-
-/* Change this process's reserved bytes by +bytes (add) or -bytes, and its
- * charge to the tree with them. Each atomic step's own delta is applied,
- * so the charges add up exactly whatever the interleaving. */
-static uint64_t add_reserved(uint64_t bytes)
-{
-    uint64_t old = atomic_fetch_add(&A.reserved, bytes);
-    if (T && tree_slot >= 0)
-        atomic_fetch_add(&T->slot[tree_slot].charge, own(old + bytes) - own(old));
-    return old + bytes;
-}
-
+/* Give back bytes this process reserved, and its charge to the tree with
+ * them. */
 static void sub_reserved(uint64_t bytes)
 {
-    uint64_t old = atomic_fetch_sub(&A.reserved, bytes);
-    if (T && tree_slot >= 0)
-        atomic_fetch_sub(&T->slot[tree_slot].charge, own(old) - own(old - bytes));
+    atomic_fetch_sub(&A.reserved, bytes);
+    if (T && tree_slot >= 0) {
+        atomic_fetch_sub(&T->slot[tree_slot].charge, bytes);
+        atomic_fetch_sub(&T->total, bytes);
+    }
 }
 
-/* The tree's charges; with reap, slots of processes that are gone are freed
- * first (kill(pid, 0): one system call a slot, only when the budget would
- * be passed). */
-static uint64_t tree_total(int reap)
+/* Hand slot i, held as owner, to pid next (0: free) in the next
+ * generation; the charge of the holder leaves the total. 1 when this
+ * thread did it: of racing callers, one does. */
+static int clear_slot(int i, uint64_t owner, int32_t next)
 {
-    uint64_t sum = 0;
+    uint64_t gen = owner >> 32;
+    if (!atomic_compare_exchange_strong(&T->slot[i].owner, &owner, gen << 32 | UINT32_MAX))
+        return 0;
+    atomic_fetch_sub(&T->total, atomic_exchange(&T->slot[i].charge, 0));
+    atomic_store(&T->slot[i].owner, (gen + 1) << 32 | (uint32_t)next);
+    return 1;
+}
+
+/* Take back the slots of processes that are gone (kill(pid, 0): one system
+ * call a slot in use; only when the budget would be passed or no slot is
+ * free). */
+static void tree_reap(void)
+{
     int saved = errno; /* kill's ESRCH is no business of the allocation's caller */
-    for (int i = 0; i < TREE_SLOTS; i++) {
-        int32_t pid = atomic_load(&T->slot[i].pid);
-        if (!pid)
-            continue;
-        if (reap && i != tree_slot && kill(pid, 0) != 0 && errno == ESRCH) {
-            atomic_store(&T->slot[i].charge, 0);
-            atomic_compare_exchange_strong(&T->slot[i].pid, &pid, 0);
-            continue;
-        }
-        sum += atomic_load(&T->slot[i].charge);
+    for (int i = 0; i < MGI_TREE_SLOTS; i++) {
+        uint64_t owner = atomic_load(&T->slot[i].owner);
+        int32_t pid = MGI_SLOT_PID(owner);
+        if (pid > 0 && i != tree_slot && kill(pid, 0) != 0 && errno == ESRCH)
+            (void)clear_slot(i, owner, 0);
     }
     errno = saved;
-    return sum;
 }
 
-/* In a forked child: a slot of its own, charged from its base. */
-static void tree_join(void)
+/* A slot for this process: a slot holding its pid already is stale (the
+ * process it was before an exec, or a gone one whose pid came back) and is
+ * emptied, the first reused; else a free one, else one taken back from a
+ * process that is gone. -1 when live processes hold every slot. */
+static int tree_claim(void)
 {
-    if (!T)
-        return;
-    tree_base = atomic_load(&A.reserved);
-    tree_slot = -1;
     int32_t me = (int32_t)getpid();
-    for (int pass = 0; pass < 2 && tree_slot < 0; pass++) {
+    int got = -1;
+    for (int i = 0; i < MGI_TREE_SLOTS; i++) {
+        uint64_t owner = atomic_load(&T->slot[i].owner);
+        if (MGI_SLOT_PID(owner) == me && clear_slot(i, owner, got < 0 ? me : 0) && got < 0)
+            got = i;
+    }
+    for (int pass = 0; pass < 2 && got < 0; pass++) {
         if (pass)
-            (void)tree_total(1); /* free the slots of processes that are gone */
-        for (int i = 0; i < TREE_SLOTS && tree_slot < 0; i++) {
-            int32_t zero = 0;
-            if (atomic_compare_exchange_strong(&T->slot[i].pid, &zero, me)) {
-                atomic_store(&T->slot[i].charge, 0);
-                tree_slot = i;
-            }
+            tree_reap();
+        for (int i = 0; i < MGI_TREE_SLOTS && got < 0; i++) {
+            uint64_t owner = atomic_load(&T->slot[i].owner);
+            if (MGI_SLOT_PID(owner) == 0 &&
+                atomic_compare_exchange_strong(&T->slot[i].owner, &owner,
+                                               ((owner >> 32) + 1) << 32 | (uint32_t)me))
+                got = i;
         }
     }
+    return got;
+}
+
+/* Take a slot of T, charged with @p charge bytes. With none to take, the
+ * arena refuses this process every allocation (never an uncharged one),
+ * and says so once, here. */
+static void tree_join(uint64_t charge)
+{
+    tree_slot = tree_claim();
+    if (tree_slot >= 0) {
+        atomic_fetch_add(&T->slot[tree_slot].charge, charge);
+        atomic_fetch_add(&T->total, charge);
+        return;
+    }
+    char line[200];
+    int n = snprintf(line, sizeof(line),
+                     "memguard: process %d is refused memory: live processes hold all %d "
+                     "slots of the budget it shares (memguard run --budget)\n",
+                     (int)getpid(), MGI_TREE_SLOTS);
+    if (n > 0)
+        (void)!write(2, line, (size_t)n < sizeof(line) ? (size_t)n : sizeof(line) - 1);
+}
+
+/* Let go of this process's pages in [p, p + n), whole pages only: what was
+ * shared with the parent costs no copy, and stops holding the parent's old
+ * pages alive once the parent writes its own. */
+static void forget(void *p, size_t n)
+{
+    uintptr_t a = ((uintptr_t)p + A.page - 1) & ~(uintptr_t)(A.page - 1);
+    uintptr_t b = ((uintptr_t)p + n) & ~(uintptr_t)(A.page - 1);
+    if (a < b)
+        (void)madvise((void *)a, (size_t)(b - a), MADV_DONTNEED);
+}
+
+/* In a forked child of a tree (every lock held by no one): the parent's
+ * cached blocks are not reused here. Reused, they would be this process's
+ * pages as soon as it wrote them, yet charged to no one (the parent's
+ * charge counts them, and the parent still has them); left mapped, they
+ * keep the old pages alive while the parent reuses its own copies. So the
+ * child lets go of them and forgets its free lists, and of the tails of
+ * its slab chunks too, so that what it carves from now on lies above the
+ * frontiers recorded here: below them, a block is inherited. */
+static void drop_inherited_cache(void)
+{
+    for (unsigned c = 0; c < N_SMALL; c++) {
+        for (small_free_t *f = A.small[c].free, *next; f; f = next) {
+            next = f->next;
+            forget(f, class_size(c));
+        }
+        A.small[c].free = NULL;
+        A.small[c].bump = A.small[c].bump_end = NULL;
+    }
+    for (int c = 0; c < N_CLASSES; c++) {
+        for (large_hdr_t *h = A.large[c].free, *next; h; h = next) {
+            next = h->next;
+            forget(h->block, h->block_size);
+        }
+        A.large[c].free = NULL;
+    }
+    atomic_store(&A.cached, 0);
+    atomic_store(&A.reserved, atomic_load(&A.allocated)); /* no cache, no slab free lists */
+    inherited_small = A.slab_next;
+    inherited_large = A.large_next;
+}
+
+/* Whether block q was inherited live at a fork under a tree budget. */
+static int inherited(const char *q)
+{
+    return q < A.mid ? q < inherited_small : q < inherited_large;
+}
+
+/* Free an inherited block: not cached (as drop_inherited_cache says), but
+ * let go of; it leaves this process's reserved bytes and never was in its
+ * charge. */
+static void free_inherited(char *q)
+{
+    char *start = q;
+    size_t bs, req;
+    if (q < A.mid) {
+        bs = class_size((unsigned)A.chunk_cls[(size_t)(q - A.base) >> CHUNK_SHIFT] - 1);
+        req = bs - A.slack[(size_t)(q - A.base) >> GRANULE_SHIFT];
+    } else {
+        const large_hdr_t *h = (const large_hdr_t *)(q - HDR);
+        start = h->block;
+        bs = h->block_size;
+        req = h->requested;
+    }
+    forget(start, bs);
+    atomic_fetch_sub(&A.allocated, bs);
+    atomic_fetch_sub(&A.requested, req);
+    atomic_fetch_sub(&A.reserved, bs);
+    atomic_fetch_add_explicit(&A.n_free, 1, memory_order_relaxed);
 }
 
 /* Give a cached, resident large block's pages back to the kernel (its
@@ -441,28 +535,47 @@ static int reserve_own(uint64_t bytes)
     }
 }
 
-/* reserve() under a budget the tree shares: add, check the tree's total,
- * roll back. Two processes may pass the check together, by one allocation
- * each at most: memory not yet touched. */
+/* Take bytes of the tree's budget: a compare-exchange on its total, as
+ * reserve() does on a process's. 0 or ENOMEM. */
+static int take_room(uint64_t bytes)
+{
+    uint64_t budget = atomic_load(&T->budget);
+    if (!budget) {
+        atomic_fetch_add(&T->total, bytes);
+        return 0;
+    }
+    uint64_t cur = atomic_load(&T->total);
+    while (cur <= budget && bytes <= budget - cur)
+        if (atomic_compare_exchange_weak(&T->total, &cur, cur + bytes))
+            return 0;
+    return ENOMEM;
+}
+
+/* reserve() under a budget the tree shares. Short of room, it takes back
+ * what processes that are gone held, then releases this process's cache
+ * as reserve() does (another process's cache is not its to release). */
 static int reserve_tree(uint64_t bytes)
 {
+    if (tree_slot < 0)
+        return ENOMEM; /* no slot: refused, as said when it joined */
     for (int attempt = 0;; attempt++) {
-        uint64_t budget = atomic_load(&T->budget);
-        uint64_t now = add_reserved(bytes);
-        if (!budget || tree_total(0) <= budget || tree_total(1) <= budget) {
-            peak(&A.reserved_peak, now);
+        if (take_room(bytes) == 0) {
+            atomic_fetch_add(&T->slot[tree_slot].charge, bytes);
+            peak(&A.reserved_peak, atomic_fetch_add(&A.reserved, bytes) + bytes);
             return 0;
         }
-        sub_reserved(bytes);
-        uint64_t used = tree_total(0);
-        if (attempt == 2 || bytes > budget)
+        uint64_t budget = atomic_load(&T->budget), used = atomic_load(&T->total);
+        if (attempt == 3 || bytes > budget)
             return ENOMEM;
-        /* what this process's cache can give towards the room */
+        if (attempt == 0) {
+            tree_reap();
+            continue;
+        }
         uint64_t need = used + bytes > budget ? used + bytes - budget : 0;
         uint64_t cached = atomic_load(&A.cached);
         if (need > cached)
             return ENOMEM;
-        release_cache(attempt == 0 ? cached - need : 0, 1);
+        release_cache(attempt == 1 ? cached - need : 0, 1);
     }
 }
 
@@ -685,7 +798,7 @@ static int short_of_room(uint64_t bytes)
 {
     if (T) {
         uint64_t budget = atomic_load(&T->budget);
-        return budget && tree_total(0) + bytes > budget;
+        return budget && atomic_load(&T->total) + bytes > budget;
     }
     uint64_t budget = atomic_load_explicit(&A.budget, memory_order_relaxed);
     return budget && atomic_load(&A.reserved) + bytes > budget;
@@ -795,6 +908,10 @@ int mg_arena_alloc(size_t size, size_t align, void **out)
 void mg_arena_free(void *p)
 {
     char *q = p;
+    if (T && inherited(q)) {
+        free_inherited(q);
+        return;
+    }
     if (q < A.mid) {
         unsigned c = (unsigned)A.chunk_cls[(size_t)(q - A.base) >> CHUNK_SHIFT] - 1;
         size_t csize = class_size(c);
@@ -834,7 +951,8 @@ void mg_arena_set_budget(uint64_t bytes)
     uint64_t r;
     if (T) {
         atomic_store(&T->budget, bytes);
-        r = tree_total(1);
+        tree_reap();
+        r = atomic_load(&T->total);
     } else {
         atomic_store(&A.budget, bytes);
         r = atomic_load(&A.reserved);
@@ -844,26 +962,41 @@ void mg_arena_set_budget(uint64_t bytes)
         release_cache(r - bytes < c ? c - (r - bytes) : 0, 0);
 }
 
-int mg_arena_share_budget(void)
+/* The tree's segment: an anonymous one (fd -1), else fd's file, grown to
+ * the segment's size if shorter. MAP_FAILED with errno. */
+static mgi_tree_t *map_tree(int fd)
+{
+    if (fd < 0)
+        return mmap(NULL, sizeof(mgi_tree_t), PROT_READ | PROT_WRITE,
+                    MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    struct stat sb;
+    if (fstat(fd, &sb) != 0)
+        return MAP_FAILED;
+    if ((uint64_t)sb.st_size < sizeof(mgi_tree_t) && ftruncate(fd, sizeof(mgi_tree_t)) != 0)
+        return MAP_FAILED;
+    return mmap(NULL, sizeof(mgi_tree_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+}
+
+int mg_arena_share_budget(int fd, uint64_t budget)
 {
     int rc = mg_arena_init();
     if (rc || T)
         return rc;
-    tree_t *t = mmap(NULL, sizeof(tree_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
-                     -1, 0);
+    mgi_tree_t *t = map_tree(fd);
     if (t == MAP_FAILED)
         return errno;
-    atomic_init(&t->budget, atomic_load(&A.budget));
-    for (int i = 0; i < TREE_SLOTS; i++) {
-        atomic_init(&t->slot[i].pid, 0);
-        atomic_init(&t->slot[i].charge, 0);
+    uint64_t magic = 0;
+    if (!atomic_compare_exchange_strong(&t->magic, &magic, MGI_TREE_MAGIC) &&
+        magic != MGI_TREE_MAGIC) {
+        munmap(t, sizeof(*t));
+        return EPROTO;
     }
-    tree_base = 0;
-    atomic_init(&t->slot[0].pid, (int32_t)getpid());
-    atomic_init(&t->slot[0].charge, atomic_load(&A.reserved));
-    tree_slot = 0;
+    uint64_t none = 0;
+    (void)atomic_compare_exchange_strong(&t->budget, &none,
+                                         budget ? budget : atomic_load(&A.budget));
     atomic_store(&A.budget, 0);
     T = t;
+    tree_join(atomic_load(&A.reserved));
     return 0;
 }
 
@@ -916,7 +1049,7 @@ int mg_arena_stats(mg_arena_stats_t *o)
     o->requested_peak = atomic_load(&A.requested_peak);
     o->cached_bytes = atomic_load(&A.cached);
     o->budget_bytes = T ? atomic_load(&T->budget) : atomic_load(&A.budget);
-    o->tree_reserved_bytes = T ? tree_total(0) : 0;
+    o->tree_reserved_bytes = T ? atomic_load(&T->total) : 0;
     o->cache_limit_bytes = atomic_load(&A.cache_limit);
     o->reserve_bytes = (uint64_t)(A.end - A.base);
     o->num_allocs = atomic_load(&A.n_alloc);

@@ -4,6 +4,7 @@
 #define MEMGUARD_MGI_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <time.h>
@@ -209,6 +210,27 @@ int mgi_pread_file(int fd, char *buf, size_t cap, size_t *len);
 int mgi_read_path(const char *path, char *buf, size_t cap, size_t *len);
 /* snprintf that reports truncation as ENAMETOOLONG. */
 int mgi_join(char *out, size_t cap, const char *a, const char *b, const char *c);
+
+/* ---- the tree budget (arena.c) -------------------------------------------
+ * The segment processes of one run share a budget through (`memguard run
+ * --budget`): anonymous and inherited by fork, or a file that processes
+ * started by exec map too. All zero is a valid empty tree. Here so that
+ * tests can look inside. */
+#define MGI_TREE_MAGIC 0x6d67747265650001ULL /* "mgtree", layout 1 */
+#define MGI_TREE_SLOTS 4096
+typedef struct mgi_tree {
+    _Atomic uint64_t magic;  /* 0 until the first process maps it */
+    _Atomic uint64_t budget; /* 0: none */
+    _Atomic uint64_t total;  /* the slots' charges added up */
+    struct {
+        /* a generation << 32 | the pid; pid 0: free, -1: being taken back.
+         * Every change of hands counts a generation, so a process whose pid
+         * came back is never taken for the gone one it replaced. */
+        _Atomic uint64_t owner;
+        _Atomic uint64_t charge; /* what the process reserved beyond what it inherited */
+    } slot[MGI_TREE_SLOTS];
+} mgi_tree_t;
+#define MGI_SLOT_PID(owner) ((int32_t)(uint32_t)(owner))
 
 /* ---- options (options.c) ------------------------------------------------ */
 typedef enum mgi_opt_id {

@@ -13,13 +13,16 @@
  * family and two markers are exported; everything else stays hidden. */
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "memguard/memguard-arena.h"
@@ -90,13 +93,74 @@ static size_t boot_size(const void *p)
     return *(const size_t *)((const char *)p - 16);
 }
 
+/* Write a message of parts (NULL-terminated) to stderr in one write. */
+static void say(const char *first, ...)
+{
+    char line[512];
+    size_t n = 0;
+    va_list ap;
+    va_start(ap, first);
+    for (const char *part = first; part; part = va_arg(ap, const char *))
+        for (; *part && n < sizeof(line) - 1; part++)
+            line[n++] = *part;
+    va_end(ap);
+    line[n++] = '\n';
+    (void)!write(2, line, n);
+}
+
+/* A decimal at *t, ending in end, stepped over; 0 or EINVAL. */
+static int field(const char **t, char end, unsigned long long *out)
+{
+    const char *p = *t;
+    unsigned long long v = 0;
+    for (; *p >= '0' && *p <= '9' && p - *t < 19; p++)
+        v = v * 10 + (unsigned long long)(*p - '0');
+    if (p == *t || *p != end)
+        return EINVAL;
+    *t = p + (end != '\0');
+    *out = v;
+    return 0;
+}
+
+/* The segment of the run's tree budget named by MEMGUARD_TREE ("PID:FD:INODE":
+ * a memfd that `memguard run` made and holds open, reached through
+ * /proc/PID/fd/FD), opened; -1 with *why set when it cannot be. */
+static int open_tree(const char *name, const char **why)
+{
+    unsigned long long pid, fd, ino;
+    char path[64], link[64];
+    if (field(&name, ':', &pid) || field(&name, ':', &fd) || field(&name, '\0', &ino) ||
+        pid > INT32_MAX || fd > INT32_MAX) {
+        *why = "not PID:FD:INODE";
+        return -1;
+    }
+    snprintf(path, sizeof(path), "/proc/%llu/fd/%llu", pid, fd);
+    int t = open(path, O_RDWR | O_CLOEXEC);
+    if (t < 0) {
+        *why = "the run's first process is gone, or its files cannot be opened";
+        return -1;
+    }
+    struct stat sb;
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", t);
+    ssize_t len = readlink(path, link, sizeof(link) - 1);
+    static const char memfd[] = "/memfd:memguard-tree";
+    if (fstat(t, &sb) != 0 || (unsigned long long)sb.st_ino != ino || len < 0 ||
+        strncmp(link, memfd, sizeof(memfd) - 1) != 0) {
+        close(t);
+        *why = "that file is not the run's budget segment";
+        return -1;
+    }
+    return t;
+}
+
 /* The budget for `memguard run --budget`: MEMGUARD_BUDGET, against the
  * machine's memory read with raw syscalls (malloc is not ours to call yet),
- * shared with the children the process forks (DataLoader workers): it
- * bounds the tree, not each process. */
+ * shared by the run's processes: those it forks (DataLoader workers) and,
+ * through the segment MEMGUARD_TREE names, those started by exec. It bounds
+ * the tree, not each process; the first process's budget is the tree's. */
 static void apply_budget(void)
 {
-    const char *text = getenv("MEMGUARD_BUDGET");
+    const char *text = getenv("MEMGUARD_BUDGET"), *tree = getenv("MEMGUARD_TREE");
     char buf[4096];
     size_t len;
     const char *why;
@@ -109,15 +173,28 @@ static void apply_budget(void)
         total = mi.total_bytes;
         avail = mi.have_available ? mi.available_bytes : 0;
     }
-    if (mg_parse_budget(text, total, avail, &budget) == 0) {
-        static const char alone[] = "memguard: the budget cannot be shared with forked "
-                                    "children; each process gets it whole\n";
-        if (mg_arena_share_budget() != 0)
-            (void)!write(2, alone, sizeof(alone) - 1);
+    if (mg_parse_budget(text, total, avail, &budget) != 0) {
+        say("memguard: MEMGUARD_BUDGET is not a valid budget; running without one", NULL);
+        return;
+    }
+    int rc = EBADF;
+    if (tree && *tree) {
+        int fd = open_tree(tree, &why);
+        if (fd >= 0) {
+            rc = mg_arena_share_budget(fd, budget);
+            why = rc == EPROTO ? "a segment of another memguard version"
+                               : "it could not be mapped";
+            close(fd); /* the mapping stays */
+        }
+        if (rc != 0)
+            say("memguard: cannot join the budget of the run's other processes (MEMGUARD_TREE=",
+                tree, ": ", why, "): this process and its forks share one of their own", NULL);
+    }
+    if (rc != 0 && mg_arena_share_budget(-1, budget) != 0) {
+        say("memguard: the budget cannot be shared with forked children; each process gets "
+            "it whole", NULL);
         mg_arena_set_budget(budget);
-    } else
-        (void)!write(2, "memguard: MEMGUARD_BUDGET is not a valid budget; running without one\n",
-                     70);
+    }
 }
 
 static void init(void)

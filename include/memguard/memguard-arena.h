@@ -72,14 +72,25 @@ MG_ARENA_API size_t mg_arena_usable_size(const void *p);
  * cached blocks past it are released at once. */
 MG_ARENA_API void mg_arena_set_budget(uint64_t bytes);
 /**
- * Share the budget with the children this process forks from now on
- * (`memguard run --budget`: DataLoader workers): the budget then bounds
- * what the tree reserves, each process counting what it reserved beyond
- * what it inherited (up to 63 processes; a child past that is not
- * counted). Call before the first fork; idempotent.
- * @return 0, or ENOMEM when no shared page could be mapped.
+ * Share a budget with the other processes of a tree (`memguard run
+ * --budget`): the children this process forks from now on (DataLoader
+ * workers) and, through a file, processes started by exec. The budget then
+ * bounds what the tree reserves, each process counting what it reserved
+ * beyond what it inherited at its fork; a forked child does not reuse its
+ * parent's cache. A process that finds no free slot of the tree's 4096
+ * (all held by live processes) is refused every allocation, and says so
+ * on stderr. Call before the first fork and before other threads allocate;
+ * idempotent (a second call changes nothing).
+ * @param fd -1: a segment of its own, for this process and its forks; else
+ *        a file (a memfd) holding a tree's segment, which this process
+ *        joins; it is grown to the segment's size if shorter. It may be
+ *        closed after the call.
+ * @param budget the tree's budget if it has none yet (the first process's
+ *        holds); 0: the budget already set on this arena.
+ * @return 0; EPROTO the file holds another layout; or mmap's, fstat's or
+ *         ftruncate's errno.
  */
-MG_ARENA_API int mg_arena_share_budget(void);
+MG_ARENA_API int mg_arena_share_budget(int fd, uint64_t budget);
 /** Keep at most @p bytes of freed large blocks cached (0: no limit beyond
  * the budget); past it, a free releases the oldest cached blocks at once. */
 MG_ARENA_API void mg_arena_set_cache_limit(uint64_t bytes);

@@ -82,6 +82,8 @@ def options() -> dict[str, float | str]:
 
 #: read when memguard is built (setup.py), not at run time
 BUILD_VARIABLES = frozenset({"MEMGUARD_PLATFORM"})
+#: set by `memguard run` for the preload shim (the run's budget segment), not options
+RUN_VARIABLES = frozenset({"MEMGUARD_TREE"})
 
 
 def warn_about_environment() -> None:
@@ -90,7 +92,7 @@ def warn_about_environment() -> None:
         warnings.warn(message, MemguardConfigWarning, stacklevel=3)
     known = {"MEMGUARD_" + n.upper() for n in _C.option_names()}
     for key in os.environ:
-        if key.startswith("MEMGUARD_") and key not in known | BUILD_VARIABLES:
+        if key.startswith("MEMGUARD_") and key not in known | BUILD_VARIABLES | RUN_VARIABLES:
             shown = key.encode(errors="surrogateescape").decode(errors="backslashreplace")
             warnings.warn(
                 f"{shown} is not a memguard option; known: {', '.join(sorted(known))}",

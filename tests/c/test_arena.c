@@ -3,8 +3,10 @@
  * reuse of cached blocks in a training-loop pattern, byte-exact accounting
  * and peaks, the budget (ENOMEM, cache released first, never passed, also
  * under four racing threads), halves split from cached blocks under it and
- * merged back, trim (counters and RSS), requests too large to ever fit, and
- * fork while other threads allocate.
+ * merged back, trim (counters and RSS), requests too large to ever fit,
+ * fork while other threads allocate, and a budget shared by a process tree
+ * (through a file; forked children charged, the parent's cache not reused;
+ * slots taken back or refused; racing threads).
  *
  * The arena is one per process, so the tests run in order and each leaves
  * nothing allocated and no budget behind. Under valgrind (seen in
@@ -14,6 +16,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <time.h>
 
@@ -1050,8 +1053,15 @@ static worker_t join_workers(worker_t *w, int n)
 typedef struct watcher {
     pthread_t tid;
     uint64_t budget, max_seen, over, reads;
+    int tree; /* watch the tree's total, not the process's reserved bytes */
     atomic_int *stop;
 } watcher_t;
+
+/* What the budget bounds: the tree's total, or this process's reserved bytes. */
+static uint64_t held(const mg_arena_stats_t *s, int tree)
+{
+    return tree ? s->tree_reserved_bytes : s->reserved_current;
+}
 
 static void *watch(void *arg)
 {
@@ -1060,9 +1070,9 @@ static void *watch(void *arg)
         mg_arena_stats_t s;
         mg_arena_stats(&s);
         w->reads++;
-        if (s.reserved_current > w->max_seen)
-            w->max_seen = s.reserved_current;
-        if (s.reserved_current > w->budget)
+        if (held(&s, w->tree) > w->max_seen)
+            w->max_seen = held(&s, w->tree);
+        if (held(&s, w->tree) > w->budget)
             w->over++;
         if (slow) /* valgrind runs one thread at a time: let the workers have it */
             sched_yield();
@@ -1070,17 +1080,19 @@ static void *watch(void *arg)
     return NULL;
 }
 
-static void test_budget_race(void)
+/* Four threads churning under a budget (the tree's with tree set) and a
+ * reader watching that it is never passed. */
+static void budget_race(int tree)
 {
     enum { THREADS = 4 };
     mg_arena_trim(0, NULL);
     mg_arena_stats_t s0 = st();
-    uint64_t budget = s0.reserved_current + 48 * MiB;
+    uint64_t budget = held(&s0, tree) + 48 * MiB;
     mg_arena_set_budget(budget);
     mg_arena_reset_peaks();
     atomic_int stop = 0;
     worker_t w[THREADS];
-    watcher_t wt = {.budget = budget, .stop = &stop};
+    watcher_t wt = {.budget = budget, .tree = tree, .stop = &stop};
     for (int i = 0; i < THREADS; i++) {
         w[i] = (worker_t){.rng = 0x1234567ULL * (uint64_t)(i + 1) + 99, .stop = &stop};
         CHECK_EQ(pthread_create(&w[i].tid, NULL, churn, &w[i]), 0);
@@ -1094,7 +1106,8 @@ static void test_budget_race(void)
             mgi_clock_ns(CLOCK_MONOTONIC) - t0 < 10 * (int64_t)1000000000)) {
         struct timespec ts = {0, 5 * 1000 * 1000};
         nanosleep(&ts, NULL);
-        CHECK(st().reserved_current <= budget);
+        mg_arena_stats_t now = st();
+        CHECK(held(&now, tree) <= budget);
     }
     atomic_store(&stop, 1);
     worker_t sum = join_workers(w, THREADS);
@@ -1127,9 +1140,14 @@ static void test_budget_race(void)
     mg_arena_stats_t s2 = st();
     CHECK_EQ(s2.cached_bytes, 0);
     CHECK_EQ((s2.reserved_current - s0.reserved_current) % 64, 0);
-    CHECK(s2.reserved_current <= budget);
+    CHECK(held(&s2, tree) <= budget);
     mg_arena_set_budget(0);
     check_idle();
+}
+
+static void test_budget_race(void)
+{
+    budget_race(0);
 }
 
 /* The pieces of an 8 MiB block: its halves, quarters and eighths. */
@@ -1262,10 +1280,87 @@ static void test_fork(void)
     check_idle();
 }
 
-/* A budget shared with forked children (memguard run --budget): what each
- * process reserves beyond what it inherited counts against one budget; a
- * child that is gone (left by _exit, nothing run) stops counting when the
- * budget would be passed. Runs last: the arena stays shared after it. */
+/* A forked child of a tree, told go[0]/done[1]: the parent's cached
+ * block is not reused uncharged, nor is a block inherited live and freed
+ * here; what is left of the budget fits. Returns a bit per failed check. */
+static int tree_child(void *inherited_live, uint64_t blk, uint64_t small_blk)
+{
+    void *a = NULL, *b = NULL, *c = NULL;
+    mg_arena_stats_t s0 = st();
+    int rc = 0;
+    rc |= s0.cached_bytes == 0 ? 0 : 1;                              /* no inherited cache */
+    rc |= mg_arena_alloc(24 * MiB, 64, &a) == ENOMEM ? 0 : 2;        /* its size: charged */
+    mg_arena_free(inherited_live);
+    rc |= st().reserved_current == s0.reserved_current - blk ? 0 : 4;
+    rc |= st().cached_bytes == 0 ? 0 : 8;                            /* let go of, not cached */
+    rc |= mg_arena_alloc(24 * MiB, 64, &b) == ENOMEM ? 0 : 16;       /* charged as well */
+    rc |= st().tree_reserved_bytes == s0.tree_reserved_bytes ? 0 : 32;
+    if (mg_arena_alloc(8 * MiB, 64, &c) == 0)
+        memset(c, 3, 8 * MiB);
+    else
+        rc |= 64;
+    rc |= st().tree_reserved_bytes == s0.tree_reserved_bytes + small_blk ? 0 : 128;
+    return rc;
+}
+
+/* Fork a child running fn, wait for its one-byte verdict, and return it;
+ * the child stays (holding what it took) until *go is written. */
+static int forked(int (*fn)(void *), void *arg, int go[2], pid_t *pid)
+{
+    int done[2];
+    CHECK_EQ(pipe(done), 0);
+    fflush(stdout);
+    fflush(stderr);
+    *pid = fork();
+    CHECK(*pid >= 0);
+    if (*pid == 0) {
+        char c = (char)fn(arg);
+        (void)!write(done[1], &c, 1);
+        (void)!read(go[0], &c, 1);
+        _exit(0); /* as a DataLoader worker leaves: nothing released, nothing run */
+    }
+    char c = 99;
+    CHECK_EQ(read(done[0], &c, 1), 1);
+    close(done[0]), close(done[1]);
+    return c;
+}
+
+static void release(int go[2], pid_t pid)
+{
+    char c = 'x';
+    CHECK_EQ(write(go[1], &c, 1), 1);
+    int status = 0;
+    CHECK_EQ(waitpid(pid, &status, 0), pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+typedef struct {
+    void *live;
+    uint64_t blk, small_blk;
+} tree_args_t;
+
+static int run_tree_child(void *arg)
+{
+    tree_args_t *t = arg;
+    return tree_child(t->live, t->blk, t->small_blk);
+}
+
+/* A forked child's 1 MiB: 0 or the error. */
+static int run_small_child(void *arg)
+{
+    (void)arg;
+    void *p = NULL;
+    return mg_arena_alloc(1 * MiB, 64, &p);
+}
+
+/* A budget shared by a tree (memguard run --budget) through a file, as
+ * processes started by exec share it: a file of another layout is refused;
+ * a slot holding this process's pid is stale (the process it was before
+ * an exec) and reused; what each process reserves beyond what it inherited
+ * counts against one budget, a forked child reusing none of its parent's
+ * cache; a child that is gone (left by _exit, nothing run) stops counting
+ * when the budget would be passed; a child that finds every slot held by
+ * a live process is refused. Runs last: the arena stays shared after it. */
 static void test_shared_budget(void)
 {
     if (getenv("MGTEST_SKIP_FORK")) {
@@ -1273,56 +1368,101 @@ static void test_shared_budget(void)
         return;
     }
     mg_arena_trim(0, NULL);
-    CHECK_EQ(mg_arena_share_budget(), 0);
-    CHECK_EQ(mg_arena_share_budget(), 0); /* idempotent */
+    FILE *file = tmpfile();
+    CHECK(file != NULL);
+    int fd = fileno(file);
+    uint64_t other = 42;
+    CHECK_EQ(pwrite(fd, &other, sizeof(other), 0), (ssize_t)sizeof(other));
+    CHECK_EQ(mg_arena_share_budget(fd, 1), EPROTO);
+    CHECK_EQ(st().budget_bytes, 0); /* nothing shared */
+    CHECK_EQ(ftruncate(fd, 0), 0);
+    CHECK_EQ(ftruncate(fd, sizeof(mgi_tree_t)), 0);
+    mgi_tree_t *view = mmap(NULL, sizeof(mgi_tree_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    CHECK(view != MAP_FAILED);
+    atomic_store(&view->slot[5].owner, (uint64_t)7 << 32 | (uint32_t)getpid());
+    atomic_store(&view->slot[5].charge, 77);
+    atomic_store(&view->total, 77);
+
     mg_arena_stats_t s0 = st();
-    CHECK_EQ(s0.tree_reserved_bytes, s0.reserved_current);
-    uint64_t blk = block_bytes(24 * MiB, 64);
-    uint64_t budget = s0.reserved_current + 2 * blk + blk / 2; /* room for two, not three */
-    mg_arena_set_budget(budget);
+    uint64_t blk = block_bytes(24 * MiB, 64), small_blk = block_bytes(8 * MiB, 64);
+    uint64_t budget = s0.reserved_current + 2 * blk + small_blk; /* room for two and a small one */
+    CHECK_EQ(mg_arena_share_budget(fd, budget), 0);
+    CHECK_EQ(mg_arena_share_budget(-1, 1), 0); /* idempotent: nothing changes */
+    CHECK_EQ(atomic_load(&view->magic), MGI_TREE_MAGIC);
+    CHECK_EQ(atomic_load(&view->slot[5].owner), (uint64_t)8 << 32 | (uint32_t)getpid());
+    CHECK_EQ(atomic_load(&view->slot[5].charge), s0.reserved_current);
+    CHECK_EQ(atomic_load(&view->slot[0].owner), 0);
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current);
     CHECK_EQ(st().budget_bytes, budget);
-    void *mine = NULL, *more = NULL;
+
+    void *mine = NULL, *spare = NULL, *more = NULL, *extra = NULL;
     CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &mine), 0);
     memset(mine, 1, 24 * MiB);
-    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + blk);
-    int go[2], done[2];
+    CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &spare), 0);
+    memset(spare, 1, 24 * MiB);
+    mg_arena_free(spare); /* cached here: the child's first allocation would reuse it */
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
+    int go[2];
     CHECK_EQ(pipe(go), 0);
-    CHECK_EQ(pipe(done), 0);
-    fflush(stdout);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        /* the parent's block is not this child's to count: one of its own fits */
-        void *a = NULL, *b = NULL;
-        int rc = mg_arena_alloc(24 * MiB, 64, &a) == 0 ? 0 : 1;
-        if (rc == 0)
-            memset(a, 2, 24 * MiB);
-        rc |= mg_arena_alloc(24 * MiB, 64, &b) == ENOMEM ? 0 : 2; /* a second does not */
-        char c = (char)rc;
-        (void)!write(done[1], &c, 1);
-        (void)!read(go[0], &c, 1);
-        _exit(0); /* as a DataLoader worker leaves: nothing released, nothing run */
-    }
-    char c = 9;
-    CHECK_EQ(read(done[0], &c, 1), 1);
-    CHECK_EQ(c, 0);
-    /* the child's 24 MiB count here too: the parent's second does not fit */
-    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
-    CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &more), ENOMEM);
-    c = 'x';
-    CHECK_EQ(write(go[1], &c, 1), 1);
-    int status = 0;
-    CHECK_EQ(waitpid(pid, &status, 0), pid);
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    /* the child is gone: its slot is taken back, and the allocation fits */
+    pid_t pid;
+    tree_args_t args = {mine, blk, small_blk};
+    CHECK_EQ(forked(run_tree_child, &args, go, &pid), 0);
+    /* the child's small block counts here too; this process's cache makes
+     * room for its own 24 MiB, and then nothing more fits */
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk + small_blk);
     CHECK_EQ(mg_arena_alloc(24 * MiB, 64, &more), 0);
+    CHECK_EQ(st().cached_bytes, 0);
+    CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &extra), ENOMEM);
+    release(go, pid);
+    /* the child is gone: its slot is taken back, and the allocation fits */
+    CHECK_EQ(mg_arena_alloc(8 * MiB, 64, &extra), 0);
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk + small_blk);
+
+    /* with room in the budget, a child's 1 MiB fits; with every slot held
+     * by a live process not of the tree, it is refused */
+    mg_arena_free(extra);
+    mg_arena_trim(0, NULL);
+    CHECK_EQ(forked(run_small_child, NULL, go, &pid), 0);
+    release(go, pid);
+    mg_arena_set_budget(budget); /* takes back the slot of the child that is gone */
     CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
+    uint32_t stranger = (uint32_t)getppid();
+    for (int i = 0; i < MGI_TREE_SLOTS; i++) {
+        uint64_t owner = atomic_load(&view->slot[i].owner);
+        if (MGI_SLOT_PID(owner) == 0)
+            CHECK(atomic_compare_exchange_strong(&view->slot[i].owner, &owner,
+                                                 (owner & ~(uint64_t)UINT32_MAX) | stranger));
+    }
+    printf("  (a line saying a process is refused memory is expected next)\n");
+    CHECK_EQ(forked(run_small_child, NULL, go, &pid), ENOMEM);
+    release(go, pid);
+    for (int i = 0; i < MGI_TREE_SLOTS; i++) {
+        uint64_t owner = atomic_load(&view->slot[i].owner);
+        if (MGI_SLOT_PID(owner) == (int32_t)stranger)
+            atomic_store(&view->slot[i].owner, owner & ~(uint64_t)UINT32_MAX);
+    }
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current + 2 * blk);
+
     mg_arena_free(more);
     mg_arena_free(mine);
-    close(go[0]), close(go[1]), close(done[0]), close(done[1]);
+    close(go[0]), close(go[1]);
+    munmap(view, sizeof(*view));
+    fclose(file);
     mg_arena_set_budget(0);
     mg_arena_trim(0, NULL);
+    CHECK_EQ(st().tree_reserved_bytes, s0.reserved_current);
     check_idle();
+}
+
+/* The tree's budget under racing threads: its total, taken by a
+ * compare-exchange, is never passed, and this process, alone in the tree
+ * (its children gone), is charged exactly what it reserved. Runs after
+ * test_shared_budget, or shares the budget itself where forks are skipped. */
+static void test_tree_race(void)
+{
+    CHECK_EQ(mg_arena_share_budget(-1, 0), 0); /* a no-op after test_shared_budget */
+    budget_race(1);
+    CHECK_EQ(st().tree_reserved_bytes, st().reserved_current);
 }
 
 int main(void)
@@ -1352,6 +1492,7 @@ int main(void)
     RUN(test_budget_race);
     RUN(test_split_race);
     RUN(test_fork);
-    RUN(test_shared_budget); /* last: the arena stays shared */
+    RUN(test_shared_budget); /* last but one: the arena stays shared */
+    RUN(test_tree_race);
     return mgt_result();
 }

@@ -1,9 +1,11 @@
 """``memguard run [--budget B] -- CMD ...``: start CMD with memguard's
-allocator preloaded for the whole process and every process it forks.
+allocator preloaded for the whole process and every process it starts.
 
 Tensor-sized allocations go to memguard's arena (with the budget, if one is
 given); small ones to jemalloc when it is installed (preloaded after the
-shim), else to glibc with heap trimming off.
+shim), else to glibc with heap trimming off. The budget bounds the whole
+tree: the processes CMD forks (DataLoader workers) and those it starts by
+exec (subprocess, multiprocessing's spawn) share it.
 """
 from __future__ import annotations
 
@@ -104,6 +106,24 @@ def preload_env(budget: str | int | None = None, jemalloc: bool = True,
     return out
 
 
+def tree_segment() -> str:
+    """Open the segment in which the processes of a run share its budget.
+
+    A memfd this process holds open and passes on to the command it execs;
+    the shim in every process of the run, forked or started by exec, reaches
+    it through ``/proc/PID/fd/FD`` (so it need not be inherited) and joins.
+
+    Returns:
+        The value of MEMGUARD_TREE: "PID:FD:INODE".
+
+    Raises:
+        OSError: no memfd here (not Linux, or a sandbox forbids it).
+    """
+    fd = os.memfd_create("memguard-tree", 0)
+    os.set_inheritable(fd, True)
+    return f"{os.getpid()}:{fd}:{os.fstat(fd).st_ino}"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``memguard run`` to the command's parser."""
     p = sub.add_parser("run", help="run a command with memguard's allocator preloaded",
@@ -126,6 +146,13 @@ def _command(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"memguard run: {exc}", file=sys.stderr)
         return 2
+    if args.budget is not None:
+        try:
+            env["MEMGUARD_TREE"] = tree_segment()
+        except OSError as exc:
+            print(f"memguard run: the budget cannot be shared with processes the command "
+                  f"starts by exec ({exc.strerror}): each of those gets the whole budget, "
+                  f"shared with its own forks", file=sys.stderr)
     try:
         os.execvpe(cmd[0], cmd, env)
     except OSError as exc:
