@@ -503,7 +503,7 @@ static int overrun(uint64_t bytes)
         atomic_load(&A.strict) > 0)
         return ENOMEM;
     release_cache(0, 1);
-    peak(&A.reserved_peak, add_reserved(bytes));
+    peak(&A.reserved_peak, atomic_fetch_add(&A.reserved, bytes) + bytes);
     atomic_fetch_add_explicit(&A.n_over, 1, memory_order_relaxed);
     atomic_store_explicit(&A.last_over, bytes, memory_order_relaxed);
     return 0;
