@@ -149,3 +149,18 @@ def test_guarded_steps_leave_the_processs_peak_counters_alone():
         assert not g.boundary.peak.exact and 0 < res.peak_bytes < hwm
     assert _hwm() >= hwm
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >= maxrss
+
+
+def test_a_guard_reports_only_the_overruns_of_its_own_install():
+    with memguard.Guard(budget=None, tensor_budget="64MiB") as g:
+        if g.allocator_error is not None:
+            pytest.skip(g.allocator_error)
+        with pytest.warns(BudgetOverrunWarning):
+            big = torch.ones(96 * MiB, dtype=torch.uint8)
+            assert g.boundary.overruns.check() == 1
+        del big
+    assert g.boundary.overruns.check() == 0                  # uninstalled: not watching
+    idle = memguard.Guard(budget=None, allocator=False)      # never installed
+    assert idle.boundary.overruns.check() == 0
+    with memguard.Guard(budget=None, tensor_budget="64MiB") as later:
+        assert later.boundary.overruns.check() == 0          # the earlier one is not its

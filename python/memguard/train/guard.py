@@ -224,7 +224,8 @@ class Guard:
             return
         self.installed = self.boundary.active = False
         try:
-            each(self.gc.uninstall, self.signals.uninstall, self.room.uninstall_arena)
+            each(self.boundary.overruns.stop, self.gc.uninstall, self.signals.uninstall,
+                 self.room.uninstall_arena)
         finally:
             with _active_lock:
                 if _active is self:

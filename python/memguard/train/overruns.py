@@ -38,22 +38,29 @@ class Overruns:
     def __init__(self, event: Callable[..., Any], relieve: Callable[[], Any]) -> None:
         self._event, self._relieve = event, relieve
         self._lock = threading.Lock()
-        self._seen = 0
+        self._seen: int | None = None   # None: not watching (the guard is not installed)
         self._warned: set[str] = set()
         #: names where the process is now ("Lightning's validate stage");
         #: ``None``: outside a guarded step, unnamed
         self.where: Callable[[], str | None] | None = None
 
     def start(self) -> None:
-        """Count from now (the guard's install): earlier overruns are not its."""
+        """Watch from now (the guard's install): earlier overruns are not its."""
         with self._lock:
             self._seen = int(arena.stats()["num_overruns"])
+
+    def stop(self) -> None:
+        """Stop watching (the guard's uninstall)."""
+        with self._lock:
+            self._seen = None
 
     def check(self) -> int:
         """Report the overruns since the last call; how many there were.
         Safe from any thread (the sampler's calls it at every sample)."""
         st = arena.stats()
         with self._lock:
+            if self._seen is None:
+                return 0
             new, self._seen = int(st["num_overruns"]) - self._seen, int(st["num_overruns"])
         if new <= 0:
             return 0
