@@ -499,8 +499,7 @@ static int reserve(uint64_t bytes)
  * budget, counted for the Python side to report. */
 static int overrun(uint64_t bytes)
 {
-    if (!atomic_load_explicit(&A.soft, memory_order_relaxed) ||
-        atomic_load(&A.strict) > 0)
+    if (!atomic_load_explicit(&A.soft, memory_order_relaxed) || atomic_load(&A.strict))
         return ENOMEM;
     release_cache(0, 1);
     peak(&A.reserved_peak, atomic_fetch_add(&A.reserved, bytes) + bytes);
@@ -1071,9 +1070,9 @@ void mg_arena_set_soft(int soft)
     atomic_store(&A.soft, soft != 0);
 }
 
-void mg_arena_strict(int delta)
+void mg_arena_strict(int on)
 {
-    atomic_fetch_add(&A.strict, delta);
+    atomic_store(&A.strict, on != 0);
 }
 
 void mg_arena_reset_peaks(void)

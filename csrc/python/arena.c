@@ -181,14 +181,10 @@ PyObject *mgpy_arena_set_soft(PyObject *m, PyObject *arg)
 PyObject *mgpy_arena_strict(PyObject *m, PyObject *arg)
 {
     (void)m;
-    long delta = PyLong_AsLong(arg);
-    if (delta == -1 && PyErr_Occurred())
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
         return NULL;
-    if (delta != 1 && delta != -1) {
-        PyErr_Format(PyExc_ValueError, "arena_strict takes +1 or -1, not %ld", delta);
-        return NULL;
-    }
-    mg_arena_strict((int)delta);
+    mg_arena_strict(on);
     Py_RETURN_NONE;
 }
 

@@ -44,7 +44,7 @@ static PyMethodDef methods[] = {
     {"arena_set_soft", mgpy_arena_set_soft, METH_O,
      "arena_set_soft(bool): outside strict sections, serve and count what the budget refuses."},
     {"arena_strict", mgpy_arena_strict, METH_O,
-     "arena_strict(+1 | -1): open or close a section where a soft budget refuses."},
+     "arena_strict(bool): open or close the section where a soft budget refuses."},
     {"swap_in", mgpy_swap_in, METH_NOARGS,
      "swap_in() -> bytes the mappings held in swap: fault this process's swapped-out "
      "pages back in."},

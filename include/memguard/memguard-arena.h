@@ -115,9 +115,10 @@ MG_ARENA_API int mg_arena_stats(mg_arena_stats_t *out);
  * tree budget (mg_arena_share_budget) is always hard.
  */
 MG_ARENA_API void mg_arena_set_soft(int soft);
-/** Open (@p delta +1) or close (-1) a strict section: a soft budget
- * refuses while any is open, in any thread. */
-MG_ARENA_API void mg_arena_strict(int delta);
+/** Open (@p on 1) or close (0) the strict section: a soft budget refuses
+ * while it is open, in any thread. One at a time (a process has one
+ * guard, stepping one loop); closing is idempotent. */
+MG_ARENA_API void mg_arena_strict(int on);
 /** Reset the peaks to the current values. */
 MG_ARENA_API void mg_arena_reset_peaks(void);
 

@@ -127,20 +127,30 @@ def set_soft(soft: bool) -> None:
 
 
 class strict:
-    """A section, in any thread, where a soft budget refuses what it cannot
-    hold (a guarded step's attempts, where the refusal is recovered)::
+    """The section, in any thread, where a soft budget refuses what it
+    cannot hold (a guarded step's attempts, where the refusal is
+    recovered)::
 
         with arena.strict():
             ...
-    """
+
+    One at a time: a process has one guard, stepping one loop. An
+    interrupt can land between the opening and the ``with`` block, leaving
+    it open: the guard's step closes it again whatever ends it
+    (:meth:`close`, idempotent)."""
 
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _C.arena_strict(1)
+        _C.arena_strict(True)
 
     def __exit__(self, *exc: object) -> None:
-        _C.arena_strict(-1)
+        _C.arena_strict(False)
+
+    @staticmethod
+    def close() -> None:
+        """Close the section, open or not."""
+        _C.arena_strict(False)
 
 
 def trim(keep: int = 0) -> int:

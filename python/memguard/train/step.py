@@ -220,6 +220,7 @@ class Transaction:
                     self._roll_back()
             raise
         finally:
+            arena.strict.close()       # an interrupt may have landed as one opened
             self._forget()
 
     def _begin(self) -> None:
@@ -513,7 +514,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
     micro, start, outs, tried, counts = min(guard.micro_batch or n, n), 0, [], [], []
     sizes = guard.config.sizes
     parts = sizes.of(n, micro)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.closing(arena.strict):
         while start < n:
             stop = start + parts[0]
             try:
