@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 
@@ -101,9 +102,12 @@ def peak_of(model: torch.nn.Module, teacher: torch.nn.Module | None,
     return memguard.stats()["allocated_bytes.peak"] - base
 
 
-def main() -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--scenarios", default=None,
+                    help="a JSON list of argument lists, each run in turn in this one "
+                         "process group (each with its own --out); the others are ignored")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16, help="per rank")
     ap.add_argument("--micro-batch", default="auto")
@@ -127,10 +131,32 @@ def main() -> None:
     ap.add_argument("--oom-in-backward", type=int, default=-1,
                     help="the OOM rank runs out of memory inside the backward of this step's "
                          "last micro-batch (its first attempt): DDP's reducer is mid-way")
-    a = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def main() -> None:
+    a = parse()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if a.scenarios is None:
+        run(a)
+    else:
+        with open(a.scenarios) as f:
+            for argv in json.load(f):
+                run(parse(argv))
+                dist.barrier()
+    dist.destroy_process_group()
+    # Leave without the interpreter's finalisation: gloo's worker threads can
+    # still be torn down then and abort the process ("terminate called
+    # without an active exception", seen once in a few hundred runs), after
+    # the record was written and the group destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run(a: argparse.Namespace) -> None:
+    """One scenario on this rank: train, then write its record."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, teacher = make_models(a.teacher, a.hidden)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -225,14 +251,6 @@ def main() -> None:
         record["reference"] = reference(a.steps, a.batch * world, a.teacher, a.hidden,
                                         a.caller_weights, world)
     torch.save(record, os.path.join(a.out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-    # Leave without the interpreter's finalisation: gloo's worker threads can
-    # still be torn down then and abort the process ("terminate called
-    # without an active exception", seen once in a few hundred runs), after
-    # the record was written and the group destroyed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

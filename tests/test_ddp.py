@@ -9,6 +9,7 @@ join fails the test instead of hanging it.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 TIMEOUT_S = 240   # generous for a loaded machine; a deadlock would last forever
 
 
-def torchrun(tmp_path, *args: str, ranks: int = 2) -> tuple[dict, ...]:
-    """Run the worker on ``ranks`` ranks; their records."""
+def torchrun(tmp_path, *args: str, ranks: int = 2, records: bool = True) -> tuple[dict, ...]:
+    """Run the worker on ``ranks`` ranks; their records (where ``records``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={ranks}", str(ROOT / "tests" / "ddp_worker.py"),
            "--out", str(tmp_path), *args]
@@ -44,7 +45,48 @@ def torchrun(tmp_path, *args: str, ranks: int = 2) -> tuple[dict, ...]:
         out, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a rank hung):\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]
+    if not records:
+        return ()
     return tuple(torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks))
+
+
+def _mode(overlap: bool) -> list[str]:
+    return ["--overlap"] if overlap else []
+
+
+#: the runs with no out-of-memory error (no rank installs memguard's
+#: allocator), made one after the other in one torchrun launch: name -> args
+SHARED = {
+    **{f"plain-{o}": ["--micro-batch", "4", *_mode(o == "overlap")]
+       for o in ("deferred", "overlap")},
+    **{f"caller-{o}-{m}": ["--micro-batch", m, "--caller-weights", *_mode(o == "overlap")]
+       for o in ("deferred", "overlap") for m in ("4", "16")},
+    **{f"weightless-{o}-{m}": ["--micro-batch", m, "--caller-weights", "--weightless-rank",
+                               "1", "--weightless-at", "2", *_mode(o == "overlap")]
+       for o in ("deferred", "overlap") for m in ("4", "16")},
+    **{f"skip-{o}-{m}": ["--micro-batch", m, "--skip-rank", "1", "--skip-at", "2",
+                         *_mode(o == "overlap")]
+       for o in ("deferred", "overlap") for m in ("4", "16")},
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict[str, tuple[dict, ...]]:
+    """Every run of :data:`SHARED`, in one launch (a launch costs more than
+    a run): name -> the ranks' records."""
+    root = tmp_path_factory.mktemp("ddp")
+    argvs = []
+    for name, args in SHARED.items():
+        (root / name).mkdir()
+        argvs.append(["--out", str(root / name), *args])
+    (root / "scenarios.json").write_text(json.dumps(argvs))
+    torchrun(root, "--scenarios", str(root / "scenarios.json"), records=False)
+    return {name: tuple(torch.load(root / name / f"rank{r}.pt") for r in range(2))
+            for name in SHARED}
+
+
+def _name(what: str, overlap: bool, micro: str | None = None) -> str:
+    return "-".join([what, "overlap" if overlap else "deferred", *([micro] if micro else [])])
 
 
 def assert_trained_alike(r0: dict, r1: dict) -> None:
@@ -58,8 +100,8 @@ def assert_trained_alike(r0: dict, r1: dict) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
-def test_micro_batched_ddp_matches_single_process(tmp_path, overlap):
-    r0, r1 = torchrun(tmp_path, "--micro-batch", "4", *(["--overlap"] if overlap else []))
+def test_micro_batched_ddp_matches_single_process(shared, overlap):
+    r0, r1 = shared[_name("plain", overlap)]
     assert_trained_alike(r0, r1)
     assert r0["micro"] == [4] * 5 and r0["retries"] == [0] * 5
     # per step: the plan, the OOM flag, and (deferred) one bucket of gradients
@@ -69,27 +111,24 @@ def test_micro_batched_ddp_matches_single_process(tmp_path, overlap):
 
 @pytest.mark.parametrize("micro", ["4", "16"], ids=["4-micro-batches", "one-micro-batch"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
-def test_caller_weights_under_ddp(tmp_path, overlap, micro):
+def test_caller_weights_under_ddp(shared, overlap, micro):
     """A masked loss weighted by its count: each rank's weighted mean,
     averaged over the ranks, in both modes; with DDP synchronising the last
     backward (overlap) the gradients accumulated before it are divided by
     the rank's total weight first, also when that backward is the only one."""
-    r0, r1 = torchrun(tmp_path, "--micro-batch", micro, "--caller-weights",
-                      *(["--overlap"] if overlap else []))
+    r0, r1 = shared[_name("caller", overlap, micro)]
     assert_trained_alike(r0, r1)
     assert r0["micro"] == [int(micro)] * 5
 
 
 @pytest.mark.parametrize("micro", ["4", "16"], ids=["4-micro-batches", "one-micro-batch"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
-def test_weights_summing_to_zero_on_one_rank_stop_the_step_on_both(tmp_path, overlap, micro):
+def test_weights_summing_to_zero_on_one_rank_stop_the_step_on_both(shared, overlap, micro):
     """Rank 1's caller weights sum to 0 at step 2: it has no weighted mean,
     so the step cannot be done; both ranks raise ValueError (rank 0 naming
     the other rank) instead of one waiting for the other, and the next
     steps train alike on both."""
-    r0, r1 = torchrun(tmp_path, "--micro-batch", micro, "--caller-weights",
-                      "--weightless-rank", "1", "--weightless-at", "2",
-                      *(["--overlap"] if overlap else []))
+    r0, r1 = shared[_name("weightless", overlap, micro)]
     assert [s for s, _ in r0["errors"]] == [s for s, _ in r1["errors"]] == [2]
     assert "another rank" in r0["errors"][0][1]
     assert "positive weight" in r1["errors"][0][1]
@@ -100,13 +139,12 @@ def test_weights_summing_to_zero_on_one_rank_stop_the_step_on_both(tmp_path, ove
 
 @pytest.mark.parametrize("micro", ["4", "16"], ids=["4-micro-batches", "one-micro-batch"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
-def test_a_batch_skipped_on_one_rank_is_skipped_on_both(tmp_path, overlap, micro):
+def test_a_batch_skipped_on_one_rank_is_skipped_on_both(shared, overlap, micro):
     """Rank 1's loss_fn skips step 2's batch in its last micro-batch (a
     Lightning training_step returning None): both ranks roll the step back
     and skip it, rank 0 naming the other rank, instead of one waiting for
     the other; the other steps train alike on both."""
-    r0, r1 = torchrun(tmp_path, "--micro-batch", micro, "--skip-rank", "1", "--skip-at", "2",
-                      *(["--overlap"] if overlap else []))
+    r0, r1 = shared[_name("skip", overlap, micro)]
     assert [s for s, _ in r0["skipped"]] == [s for s, _ in r1["skipped"]] == [2]
     assert "another rank" in r0["skipped"][0][1]
     assert "this rank skips" in r1["skipped"][0][1]
