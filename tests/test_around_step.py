@@ -164,3 +164,31 @@ def test_a_guard_reports_only_the_overruns_of_its_own_install():
     assert idle.boundary.overruns.check() == 0
     with memguard.Guard(budget=None, tensor_budget="64MiB") as later:
         assert later.boundary.overruns.check() == 0          # the earlier one is not its
+
+
+class _RaisingTelemetry:
+    """A user's telemetry object whose ``event`` fails (a broken logger)."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def __call__(self, sample) -> None:
+        self.samples += 1
+
+    def event(self, name, **data) -> None:
+        raise ConnectionError("the logging service is down")
+
+
+def test_a_users_telemetry_whose_event_raises_never_fails_a_step():
+    from memguard.telemetry import ExportStoppedWarning
+
+    model, opt = _model_and_opt()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(ExportStoppedWarning, match="logging service is down") as seen:
+        with memguard.Guard(budget=None, micro_batch=8, allocator=False,
+                            telemetry=_RaisingTelemetry()) as g:
+            for _ in range(3):
+                _step(g, model, opt)
+    assert g.steps == 3
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert len([w for w in seen if w.category is ExportStoppedWarning]) == 1

@@ -22,7 +22,7 @@ from memguard._options import MemguardConfigWarning
 from memguard.memory.cuda import Governor
 from memguard.memory.mps import MpsGovernor
 from memguard.telemetry.events import Event
-from memguard.telemetry.exporters import open_exporter
+from memguard.telemetry.exporters import ExportStoppedWarning, open_exporter
 from memguard.telemetry.sampler import Sampler
 from memguard.telemetry.samples import Level, PressureEvent, sample
 from memguard.train.config import GuardConfig
@@ -42,6 +42,7 @@ class Signals:
         self._on_high = on_high
         self.exporter: Any = None
         self._own_exporter = False
+        self._events_failed = False     # the exporter's event() raised: no more events
         self.sampler: Sampler | None = config.sampler
         self._own_sampler = False
         #: the device governor in use: CUDA's (None until CUDA is), or the MPS one given
@@ -120,10 +121,18 @@ class Signals:
             exporter.close()
 
     def event(self, name: Event | str, data: dict | None = None, **kw: Any) -> None:
-        """Write an event where the exporter takes them (JSONL, TensorBoard)."""
+        """Write an event where the exporter takes them (JSONL, TensorBoard).
+        An exporter whose ``event`` raises (a user's object) gets no more
+        events, with one warning: telemetry never fails the step."""
         write = getattr(self.exporter, "event", None)
-        if callable(write):
-            write(name, **(data or {}), **kw)
+        if callable(write) and not self._events_failed:
+            try:
+                write(name, **(data or {}), **kw)
+            except Exception as exc:  # noqa: BLE001 - said once, then no more events
+                self._events_failed = True
+                warnings.warn(f"memguard: telemetry events to {self.exporter!r} stopped: "
+                              f"{type(exc).__name__}: {exc}; the run goes on without them",
+                              ExportStoppedWarning, stacklevel=2)
 
     # -- the sampler's thread ----------------------------------------------------
     def _on_pressure(self, ev: PressureEvent) -> None:
