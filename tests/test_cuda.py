@@ -111,3 +111,34 @@ def test_lightning_16_mixed_through_the_mixin(tmp_path):
     assert t.precision_plugin.scaler.get_scale() > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert float(t.callback_metrics["train_loss"]) < 10
+
+
+def test_guarded_steps_leave_torchs_cuda_peak_counters_alone():
+    """A script that logs torch.cuda.max_memory_allocated() reads the run's
+    peak, not the last step's: the guard reads torch's counters and never
+    resets them. A step that raises the mark is measured exactly; one below
+    an earlier, higher mark gets a lower bound, not taught to the planner."""
+    import memguard
+
+    model = wide_model(1024)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loss_fn(b):
+        return torch.nn.functional.mse_loss(model(b[0]), b[1])
+
+    hog = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")   # the run's peak so far
+    del hog
+    mark = torch.cuda.max_memory_allocated()
+    guard = memguard.Guard(budget=None, micro_batch=64, allocator=False)
+    with guard:
+        for _ in range(3):
+            res = guard.step((torch.randn(64, 256, device="cuda"),
+                              torch.randn(64, 8, device="cuda")), loss_fn, opt)
+    assert guard.peak_source == "cuda"
+    assert torch.cuda.max_memory_allocated() >= mark        # not reset by the steps
+    assert not guard.boundary.peak.exact and 0 < res.peak_bytes < mark
+    torch.cuda.reset_peak_memory_stats()                    # the script's own reset
+    with memguard.Guard(budget=None, micro_batch=64, allocator=False) as g2:
+        res = g2.step((torch.randn(64, 256, device="cuda"), torch.randn(64, 8, device="cuda")),
+                      loss_fn, opt)
+    assert g2.boundary.peak.exact and res.peak_bytes == torch.cuda.max_memory_allocated()
