@@ -133,6 +133,7 @@ def _psi(some_us, full_us):
 def test_fixture_tree_drives_the_sampler_up_and_down(tmp_path, restore_options):
     """The whole path: files -> sources -> deltas -> model -> published level,
     with the sampler thread reading a tree the test rewrites."""
+    _C.arena_trim(0)        # this process's arena cache is no part of the tree
     _C.option_set("slow_interval_ms", "5")
     proc, cg = tmp_path / "proc", tmp_path / "cgroup"
     cg.mkdir()
