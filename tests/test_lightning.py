@@ -9,6 +9,7 @@ import csv
 import json
 import signal
 import types
+import warnings
 
 import pytest
 
@@ -493,10 +494,15 @@ def test_validation_past_the_tensor_budget_is_served_and_reported(tmp_path):
     events = tmp_path / "t.jsonl"
     cb = MemGuardCallback(budget=None, tensor_budget="200MiB", telemetry=str(events))
     t = trainer(tmp_path, [cb], max_epochs=1, num_sanity_val_steps=0)
-    with pytest.warns(memguard.BudgetOverrunWarning, match="validate stage"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         t.fit(WideMLP(), wide_data(256, 64), wide_data(8192, 8192))
     assert t.global_step == 4 and cb.guard.steps == 4
     assert "val_loss" in t.callback_metrics
+    if cb.guard.allocator_error is not None:
+        return    # no arena here (the POSIX layer): no budget to pass, nothing to report
+    said = [str(w.message) for w in seen if w.category is memguard.BudgetOverrunWarning]
+    assert len(said) == 1 and "validate stage" in said[0], said
     overruns = [r for r in map(json.loads, events.read_text().splitlines())
                 if r.get("event") == "overrun"]
     assert overruns and overruns[0]["where"] == "in Lightning's validate stage"
