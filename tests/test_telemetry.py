@@ -160,9 +160,9 @@ def test_callbacks_run_on_a_python_thread_and_see_every_sample():
     assert s.dropped == 0
 
 
-def test_failing_callback_goes_to_unraisablehook_and_sampling_goes_on(monkeypatch):
-    hooked = []
-    monkeypatch.setattr(sys, "unraisablehook", hooked.append)
+def _sample_with_a_raising_callback() -> tuple[list[int], object]:
+    """Sample for 0.3 s at 10 ms with a callback that always raises: the
+    samples it was called with, and the callback."""
     calls = []
 
     def bad(sample):
@@ -173,10 +173,29 @@ def test_failing_callback_goes_to_unraisablehook_and_sampling_goes_on(monkeypatc
         s.on_sample(bad)
         time.sleep(0.3)
     assert len(calls) >= 10
+    return calls, bad
+
+
+def test_failing_callback_goes_to_unraisablehook_and_sampling_goes_on(monkeypatch):
+    hooked = []
+    monkeypatch.setattr(sys, "unraisablehook", hooked.append)
+    calls, bad = _sample_with_a_raising_callback()
     assert len(hooked) == len(calls)
     assert isinstance(hooked[0].exc_value, RuntimeError)
     assert "memguard telemetry callback" in hooked[0].err_msg
     assert hooked[0].object is bad
+
+
+def test_a_raising_unraisablehook_does_not_stop_sampling(monkeypatch, capfd):
+    def hook(args):
+        raise ValueError("the hook itself failed")
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    calls, _ = _sample_with_a_raising_callback()
+    assert calls == list(range(calls[0], calls[0] + len(calls)))
+    err = capfd.readouterr().err
+    assert "Exception ignored in sys.unraisablehook" in err
+    assert "ValueError: the hook itself failed" in err
 
 
 def test_pressure_events_follow_the_budget():

@@ -38,7 +38,6 @@ class RssPeak:
             return
         self.close()
         self._pid = os.getpid()
-        self._clear = _open_or_none("/proc/self/clear_refs", os.O_WRONLY)
         self._status = _open_or_none("/proc/self/status", os.O_RDONLY)
 
     def close(self) -> None:
@@ -53,8 +52,11 @@ class RssPeak:
         self._pid = -1
 
     def reset_peak(self) -> bool:
-        """Set the high-water mark to the current RSS; whether it could be."""
+        """Set the high-water mark to the current RSS; whether it could be.
+        (Only the pytest plugin resets it: a guard reads the mark.)"""
         self._open()
+        if self._clear is None:     # opened on first use
+            self._clear = _open_or_none("/proc/self/clear_refs", os.O_WRONLY)
         if self._clear is None:
             return False
         try:
