@@ -23,7 +23,7 @@ $(EXT): $(DEPS) $(CSRC) setup.py
 build: $(EXT)
 
 test: build posix
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 	$(MAKE) --no-print-directory test-posix
 
 # The POSIX fallback layer (what a Unix without its own layer builds), built
