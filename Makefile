@@ -68,20 +68,40 @@ bench: build
 	  --benchmark-json=out/bench.json -p no:cacheprovider $(BENCH_ARGS)
 
 # libFuzzer targets over the C parsers (/proc and cgroup files, budgets,
-# options), FUZZ_SECONDS each under ASan + UBSan + LeakSanitizer; needs clang.
-# `make test` runs each for 10 s where clang is present.
+# options), FUZZ_SECONDS each under ASan + UBSan + LeakSanitizer; needs clang
+# with libFuzzer (`make system-deps`). `make test` runs each for 10 s where
+# it is present, and elsewhere passes their seeds through them built with the
+# C compiler at hand (`tests/fuzz/run.py --replay`).
 FUZZ_SECONDS ?= 600
 fuzz: $(DEPS)
 	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS)
 
-# Optional system packages: jemalloc for `memguard run` (its tests skip without it).
+# Optional system packages: jemalloc for `memguard run` (its tests skip
+# without it) and clang with its libFuzzer runtime for the fuzz targets
+# (without it their tests replay the seeds through the targets built with the
+# C compiler at hand). Installed where the user is root and has apt-get;
+# elsewhere what to install is said. A failed install fails nothing.
+LIBFUZZER_PROBE := int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }
 system-deps:
-	@if ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2; then echo "libjemalloc2: present"; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	   apt-get install -y -qq --no-install-recommends libjemalloc2 >/dev/null) \
-	  && echo "libjemalloc2: installed" || echo "libjemalloc2: not installed (jemalloc tests skip)"; \
-	else echo "libjemalloc2: absent; install it (apt-get install libjemalloc2) to test with jemalloc"; fi
+	@install() { \
+	  [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 2; \
+	  [ -n "$$updated" ] || apt-get update -qq >/dev/null 2>&1; updated=1; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$$@" \
+	    >/dev/null 2>&1; }; \
+	libfuzzer() { mkdir -p build && echo '$(LIBFUZZER_PROBE)' | clang -fsanitize=fuzzer,address,undefined \
+	  -x c - -o build/libfuzzer-probe >/dev/null 2>&1; }; \
+	updated=; \
+	if ldconfig -p 2>/dev/null | grep -q libjemalloc.so.2; then echo "libjemalloc2: present"; \
+	else install libjemalloc2; case $$? in \
+	  0) echo "libjemalloc2: installed";; \
+	  2) echo "libjemalloc2: absent; install it (apt-get install libjemalloc2) to test with jemalloc";; \
+	  *) echo "libjemalloc2: not installed (jemalloc tests skip)";; esac; fi; \
+	if libfuzzer; then echo "clang: present, with libFuzzer"; \
+	else install clang libclang-rt-dev || install clang; case $$? in \
+	  2) echo "clang: absent; install it (apt-get install clang libclang-rt-dev) to run the fuzz targets";; \
+	  *) if libfuzzer; then echo "clang: installed, with libFuzzer"; \
+	     else echo "clang: not installed with libFuzzer (the fuzz tests replay the seeds instead)"; fi;; \
+	  esac; fi
 
 lint: $(DEPS)
 	$(VENV)/bin/ruff check python tests benchmarks examples

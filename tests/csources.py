@@ -1,11 +1,14 @@
 """setup.py's platform layers for the tests: the C core's sources by layer,
 as setup.py builds them, for the C tests and the fuzz targets (which
-compile the core themselves), and setup.py's names for the platform
-tests."""
+compile the core themselves), the C compiler they build with, and
+setup.py's names for the platform tests."""
 from __future__ import annotations
 
+import os
 import pathlib
 import runpy
+import shlex
+import shutil
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -24,6 +27,15 @@ DARWIN_PURE = ROOT / "csrc" / "platform" / "darwin" / "vmstat.c"
 #: fallback and macOS's pure part build anywhere POSIX
 BUILDABLE = ("linux", "posix", "darwin") if sys.platform.startswith("linux") \
     else ("posix", "darwin")
+
+
+#: the C compiler of the C tests and of the fuzz targets' replay: $CC, else
+#: cc, gcc or clang on PATH; None where there is none
+CC: str | None = os.environ.get("CC") or next(
+    (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+CC_CMD = shlex.split(CC) if CC else []  # $CC may carry flags ("gcc -m64")
+if CC_CMD and not shutil.which(CC_CMD[0]):
+    CC, CC_CMD = None, []
 
 
 def layer_sources(layer: str) -> list[pathlib.Path]:

@@ -9,25 +9,18 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import pathlib
-import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.csources import BUILDABLE, layer_of, layer_sources
+from tests.csources import BUILDABLE, CC, CC_CMD, layer_of, layer_sources
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CTESTS = sorted((ROOT / "tests" / "c").glob("test_*.c"))
 FIXTURES = ROOT / "tests" / "fixtures" / "proc"
 BUILD = ROOT / "build" / "ctest"
-
-CC: str | None = os.environ.get("CC") or next(
-    (c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-CC_CMD = shlex.split(CC) if CC else []  # $CC may carry flags ("gcc -m64")
-if CC_CMD and not shutil.which(CC_CMD[0]):
-    CC = None
 
 COMMON = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE",
           "-Iinclude", "-Icsrc/core", "-Icsrc/platform/darwin"]

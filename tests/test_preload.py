@@ -15,7 +15,8 @@ from memguard.cli import run as mrun
 pytest.importorskip("torch")
 
 JEMALLOC = mrun.find_jemalloc()
-MODES = ["glibc"] + (["jemalloc"] if JEMALLOC else [])
+MODES = ["glibc", pytest.param("jemalloc", marks=pytest.mark.skipif(
+    JEMALLOC is None, reason="libjemalloc.so.2 not found (Debian: apt-get install libjemalloc2)"))]
 
 
 def memguard_run(code: str, *opts: str, mode: str = "glibc", timeout: float = 180):
@@ -217,7 +218,7 @@ def test_preload_env_keeps_existing_preloads():
 # started by exec (subprocess, multiprocessing's spawn). Plain Python
 # buffers: a bytearray reaches the shim's malloc as a tensor reaches its
 # posix_memalign, without torch's seconds of import in every process.
-TREE_MODE = MODES[-1]  # jemalloc where installed, as `memguard run` does by default
+TREE_MODE = "jemalloc" if JEMALLOC else "glibc"  # as `memguard run` does by default
 
 
 def test_tree_budget_charges_a_forked_childs_reuse_of_inherited_memory():
