@@ -204,26 +204,19 @@ def test_oom_inside_backward_of_a_ddp_model(tmp_path, ranks):
     assert all(torch.equal(r["state"][k], r0["state"][k]) for r in recs for k in r0["state"])
 
 
-def test_a_vote_allocates_nothing(tmp_path, arena):
+def test_a_vote_allocates_nothing(gloo_group, arena):
     """The ranks' vote after an out-of-memory error runs under the budget
     that error exhausted: it goes through tensors made in advance and
     allocates nothing from memguard's arena (one run saw a raw
     RuntimeError escape from the vote's own 1.2 KiB)."""
-    import torch.distributed as tdist
-
     from memguard.memory import arena as allocator
     from memguard.train.distributed import Peers
 
-    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
-                             world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-        peers = Peers.detect(model)
-        assert peers is not None
-        before = allocator.stats()["num_allocs"]
-        vote = peers.vote(Peers.OOM, 8, [1, 0], deferred=True)
-        assert peers.agree([5]) == [5]
-        assert allocator.stats()["num_allocs"] == before
-        assert vote.outcome == "oom" and vote.next == 8 and vote.used_anywhere == [True, False]
-    finally:
-        tdist.destroy_process_group()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    peers = Peers.detect(model)
+    assert peers is not None
+    before = allocator.stats()["num_allocs"]
+    vote = peers.vote(Peers.OOM, 8, [1, 0], deferred=True)
+    assert peers.agree([5]) == [5]
+    assert allocator.stats()["num_allocs"] == before
+    assert vote.outcome == "oom" and vote.next == 8 and vote.used_anywhere == [True, False]
