@@ -50,3 +50,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A real one-process gloo group (rank 0 of 1) for the test, destroyed
+    after it: DistributedDataParallel runs in-process, its reducer and
+    all-reduces included (skips where gloo is not available)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
+                            world_size=1)
+    yield dist
+    dist.destroy_process_group()

@@ -9,8 +9,10 @@ DINO's teacher): its temporaries make the forward pass the step's peak.
 Out-of-memory errors are real: the rank that should run out installs
 memguard's allocator, measures its own step's peak at the full and at half
 the size, and at the chosen steps lowers the arena's budget between the
-two. Each rank writes what happened and its final parameters to
-``<out>/rank<r>.pt``.
+two; or (``--oom-in-backward``) lowers it inside a backward pass to what
+the arena holds, so that the backward's next large allocation is refused.
+Each rank writes what happened, the arena's refusals among it, and its
+final parameters to ``<out>/rank<r>.pt``.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from memguard import Guard, GuardOOMError
 from memguard.memory import arena as allocator
 from memguard.train.step import SkipStep
 
-D, E, T = 16, 8, 192   # features, outputs, tokens per sample
+D, E, T, H = 16, 8, 192, 512   # features, outputs, tokens per sample, hidden width
 SMALL = 64 << 10      # room for the small blocks a step also takes (RNG state, scalars)
 
 
@@ -112,7 +114,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=16, help="per rank")
     ap.add_argument("--micro-batch", default="auto")
     ap.add_argument("--teacher", action="store_true")
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=H)
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--oom-rank", type=int, default=-1)
     ap.add_argument("--oom-at", type=int, nargs="*", default=[],
@@ -173,20 +175,27 @@ def run(a: argparse.Namespace) -> None:
         half = peak_of(model, teacher, x[:a.batch // 2], y[:a.batch // 2])
         extra = (full + half) // 2   # room for a half-size step, not a full one
 
-    # an out-of-memory error raised from inside backward, when the gradient
-    # of the first layer's weight is made: later layers' buckets are done
-    backward_oom = {"armed": 0}   # backward passes to let through first, + 1
+    # an out-of-memory error inside backward: once the gradient of the
+    # hidden activations is made (the output layer's gradients are done),
+    # the budget falls to what the arena holds allocated, and the backward's
+    # next large allocation (GELU's gradient, [micro, T, hidden]) is refused
+    backward_oom = {"armed": 0, "low": False}   # backward passes to let through, + 1
 
-    def oom_in_backward(grad):
+    def lower_in_backward(grad):
         if backward_oom["armed"]:
             backward_oom["armed"] -= 1
             if not backward_oom["armed"]:
-                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
-                                   "allocate 4096 bytes (injected inside backward)")
+                allocator.set_budget(memguard.stats()["allocated_bytes.current"])
+                backward_oom["low"] = True
         return grad
 
+    def watch_hidden(module, inputs, out):
+        if out.requires_grad:
+            out.register_hook(lower_in_backward)
+
     if oom_here and a.oom_in_backward >= 0:
-        model[0].weight.register_hook(oom_in_backward)
+        model[1].register_forward_hook(watch_hidden)
+    ooms_before = allocator.stats()["num_ooms"]
 
     micro = a.micro_batch if a.micro_batch == "auto" else int(a.micro_batch)
     guard = Guard(budget=None, micro_batch=micro, model=ddp, ddp_overlap=a.overlap,
@@ -211,6 +220,9 @@ def run(a: argparse.Namespace) -> None:
                 backward_oom["armed"] = max(1, a.batch // int(micro)) if micro != "auto" else 1
 
             def loss_fn(b, weightless=weightless, low=low, lowered=lowered, skip=skip):
+                if backward_oom["low"]:      # the redo after the refusal: room again
+                    allocator.set_budget(None)
+                    backward_oom["low"] = False
                 if skip[0]:
                     skip[1] -= 1
                     if not skip[1]:          # as a training_step that looked at its loss
@@ -245,6 +257,8 @@ def run(a: argparse.Namespace) -> None:
     if oom_here:
         allocator.set_budget(None)
     record["ooms_recovered"] = guard.ooms_recovered
+    record["arena_refusals"] = allocator.stats()["num_ooms"] - ooms_before
+    record["last_refused_bytes"] = allocator.stats()["last_oom_bytes"]
     record["collectives"] = guard._peers.collectives if guard._peers else 0
     record["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if rank == 0:

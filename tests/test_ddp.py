@@ -3,7 +3,9 @@
 Each run trains the same model on every rank's half of each global batch
 (tests/ddp_worker.py) and compares the parameters with single-process
 training on the whole global batch. Out-of-memory errors are real: one
-rank lowers its arena budget below a full-size step. Every run is bounded
+rank lowers its arena budget below a full-size step (before the step, or
+inside its forward or backward pass), and the arena's count of refusals
+says the error was its. Every run is bounded
 by a timeout, so a rank waiting in a collective that another will never
 join fails the test instead of hanging it.
 """
@@ -21,6 +23,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from tests.conftest import ROOT
+from tests.ddp_worker import H, T
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -162,6 +165,7 @@ def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
     assert r0["tried"][0] == [16] and r0["retries"] == [1, 0, 0, 0, 0]
     assert r1["reasons"][0] == "oom" and r0["reasons"][0] == "peer"
     assert r0["ooms_recovered"] == r1["ooms_recovered"] == 1
+    assert r1["arena_refusals"] >= 1 and r0["arena_refusals"] == 0
 
 
 def test_oom_in_forward_with_ddp_synchronising(tmp_path):
@@ -174,6 +178,7 @@ def test_oom_in_forward_with_ddp_synchronising(tmp_path):
     assert_trained_alike(r0, r1)
     assert r0["micro"] == [16, 16, 8, 8, 8]
     assert r0["tried"][2] == [16] and r0["reasons"][2] == "peer"
+    assert r1["arena_refusals"] >= 1 and r0["arena_refusals"] == 0
 
 
 def test_oom_at_the_minimum_stops_every_rank(tmp_path):
@@ -184,15 +189,17 @@ def test_oom_at_the_minimum_stops_every_rank(tmp_path):
     r0, r1 = torchrun(tmp_path, "--oom-rank", "0", "--tiny-budget", "--oom-at", "1")
     assert r0["gave_up"] == r1["gave_up"] == [16, 1]
     assert r0["micro"] == r1["micro"] == [16]
+    assert r0["arena_refusals"] >= 2 and r1["arena_refusals"] == 0   # one per size tried
     for k, v in r0["state"].items():
         assert torch.equal(v, r1["state"][k]), k
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_oom_inside_backward_of_a_ddp_model(tmp_path, ranks):
-    """An out-of-memory error raised inside the backward of a DDP model (the
-    last micro-batch's, where DDP's reducer synchronises), at world size 1
-    as at 2: a model wrapped in DDP runs its micro-batches as the deferred
+    """An out-of-memory error inside the backward of a DDP model (the last
+    micro-batch's, where DDP's reducer synchronises), at world size 1 as at
+    2: the arena refuses GELU's gradient once the output layer's gradients
+    are made. A model wrapped in DDP runs its micro-batches as the deferred
     mode does whatever the world size, so the redo starts from a clean
     reducer, and the run ends with the uninterrupted run's parameters."""
     recs = torchrun(tmp_path, "--micro-batch", "8", "--oom-rank", "0",
@@ -202,28 +209,24 @@ def test_oom_inside_backward_of_a_ddp_model(tmp_path, ranks):
         torch.testing.assert_close(r0["state"][k], ref, rtol=1e-5, atol=1e-6, msg=k)
     assert r0["retries"] == [0, 1, 0, 0, 0] and r0["tried"][1] == [8]
     assert all(torch.equal(r["state"][k], r0["state"][k]) for r in recs for k in r0["state"])
+    # the arena refused once: GELU's gradient, 8 samples of T tokens by H, fp32
+    assert r0["arena_refusals"] == 1 and r0["last_refused_bytes"] == 8 * T * H * 4
+    assert all(r["arena_refusals"] == 0 for r in recs[1:])
 
 
-def test_a_vote_allocates_nothing(tmp_path, arena):
+def test_a_vote_allocates_nothing(gloo_group, arena):
     """The ranks' vote after an out-of-memory error runs under the budget
     that error exhausted: it goes through tensors made in advance and
     allocates nothing from memguard's arena (one run saw a raw
     RuntimeError escape from the vote's own 1.2 KiB)."""
-    import torch.distributed as tdist
-
     from memguard.memory import arena as allocator
     from memguard.train.distributed import Peers
 
-    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0,
-                             world_size=1)
-    try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-        peers = Peers.detect(model)
-        assert peers is not None
-        before = allocator.stats()["num_allocs"]
-        vote = peers.vote(Peers.OOM, 8, [1, 0], deferred=True)
-        assert peers.agree([5]) == [5]
-        assert allocator.stats()["num_allocs"] == before
-        assert vote.outcome == "oom" and vote.next == 8 and vote.used_anywhere == [True, False]
-    finally:
-        tdist.destroy_process_group()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    peers = Peers.detect(model)
+    assert peers is not None
+    before = allocator.stats()["num_allocs"]
+    vote = peers.vote(Peers.OOM, 8, [1, 0], deferred=True)
+    assert peers.agree([5]) == [5]
+    assert allocator.stats()["num_allocs"] == before
+    assert vote.outcome == "oom" and vote.next == 8 and vote.used_anywhere == [True, False]

@@ -23,7 +23,6 @@ percents of an update, which ``test_*_differs`` checks the tolerance sees.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from typing import Any, Callable
@@ -327,33 +326,56 @@ def test_embed_fn_runs_twice_first_without_grad():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_no_sync_on_all_replays_but_the_last():
-    """With a DDP-like model, every replayed backward but the last runs
-    under no_sync(), so gradients are all-reduced once."""
-    class FakeDDP(nn.Module):
-        def __init__(self, module: nn.Module) -> None:
-            super().__init__()
-            self.module = module
-            self.in_no_sync = False
+def count_all_reduces(ddp: nn.Module, when: Callable[[], Any]) -> list[tuple[int, Any]]:
+    """Count what a DistributedDataParallel all-reduces, through a comm hook:
+    the list returned gets, for each bucket, its index and what ``when()``
+    says at that moment; the hook then all-reduces the bucket as DDP's
+    default one does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        @contextlib.contextmanager
-        def no_sync(self):
-            self.in_no_sync = True
-            try:
-                yield
-            finally:
-                self.in_no_sync = False
+    seen: list[tuple[int, Any]] = []
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.module(x)
+    def hook(group, bucket):   # DDP accepts no annotation but GradBucket here
+        seen.append((bucket.index(), when()))
+        return allreduce_hook(group, bucket)
 
-    torch.manual_seed(0)
-    ddp = FakeDDP(Encoder(p=0.0))
-    seen: list[bool] = []
-    first = next(ddp.parameters())
-    first.register_hook(lambda g: seen.append(ddp.in_no_sync))
-    gradcache_backward(views(steps=1)[0], N, 4, ddp, nt_xent, model=ddp)
-    assert seen == [True, True, True, False]
+    ddp.register_comm_hook(None, hook)
+    return seen
+
+
+def test_under_ddp_the_gradients_are_all_reduced_once_in_the_last_replay(gloo_group):
+    """A real DistributedDataParallel (one-process gloo group) as ``model``:
+    every replay but the last runs under its no_sync(), so DDP all-reduces
+    each bucket once per step, in the last replay's backward; the
+    gradients are the unsplit step's. (Without no_sync each replay's
+    backward would all-reduce; with it on the last one too, none would.)"""
+    ref, ref_opt, module, opt = encoder_twins(p=0.0)
+    ddp = torch.nn.parallel.DistributedDataParallel(module)
+    calls: list[bool] = []      # embed_fn calls, with or without grad
+
+    def embed(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.is_grad_enabled())
+        return ddp(x)
+
+    seen = count_all_reduces(ddp, lambda: len(calls))
+    for step, batch in enumerate(views(steps=2)):    # DDP rebuilds its buckets after step 0
+        calls.clear()
+        seen.clear()
+        ref_opt.zero_grad(set_to_none=True)
+        nt_xent(ref(batch)).backward()
+        opt.zero_grad(set_to_none=True)
+        gradcache_backward(batch, N, 4, embed, nt_xent, model=ddp)
+        assert calls == [False] * 4 + [True] * 4
+        buckets = [b for b, _ in seen]
+        assert buckets and sorted(buckets) == sorted(set(buckets)), (step, seen)
+        assert {c for _, c in seen} == {8}, (step, seen)   # after the last replay
+        for (name, p), q in zip(ref.named_parameters(), module.parameters()):
+            # as a whole (entries that cancel to nothing differ by more than RTOL)
+            gap = float((q.grad - p.grad).norm() / p.grad.norm())
+            assert gap < RTOL, f"step {step}: gradient of {name} is {gap:.1e} off"
+        ref_opt.step()
+        opt.step()
+    assert_same_params(ref, module)
 
 
 # -- CLIP: two towers, a tuple (or dict) of embeddings ------------------------------
@@ -639,6 +661,27 @@ def test_guard_step_gradcache_recovers_from_an_oom_in_the_replay():
         batch, nt_xent, gc_opt, embed_fn=embed)
     assert res.retries == 1 and res.tried == [8] and res.micro_batch == 4
     assert_same_params(ref, gc_model)
+
+
+def test_guard_step_gradcache_under_ddp_all_reduces_once_through_the_guard(gloo_group):
+    """Guard.step(embed_fn=...) with a real DistributedDataParallel model
+    (one-process gloo group): the guard runs every pass under no_sync()
+    (DDP all-reduces nothing) and all-reduces the gradients itself once,
+    after the ranks agreed; the steps are the unsplit ones."""
+    from memguard import Guard
+
+    ref, ref_opt, module, opt = encoder_twins(p=0.0)
+    ddp = torch.nn.parallel.DistributedDataParallel(module)
+    seen = count_all_reduces(ddp, lambda: None)
+    guard = Guard(budget=None, micro_batch=4, model=ddp, allocator=False)
+    for batch in views(steps=2):
+        plain_step(ref_opt, batch, ref, nt_xent)
+        res = guard.step(batch, nt_xent, opt, embed_fn=ddp)
+        assert res.n_micro == N // 4
+    assert seen == []
+    # per step: the plan, the out-of-memory vote and one bucket of gradients
+    assert guard._peers.collectives == 3 * 2
+    assert_same_params(ref, module)
 
 
 def test_guard_step_callable_errors():

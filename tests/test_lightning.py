@@ -328,25 +328,43 @@ def test_training_step_returning_none_skips_the_batch(tmp_path):
     """Lightning's way to skip a batch: the step is rolled back whole (the
     micro-batches before the None leave no gradient), no optimizer step is
     taken, and the run goes on; the parameters are those of a run that
-    never saw that batch."""
-    skip = 2
+    never saw that batch. The None comes from the third of the skipped
+    batch's four micro-batches: two backward passes have run before it."""
+    skip, micro, none_at = 2, 4, 2
+    calls = {}                # batch_idx -> training_step calls (micro-batches)
+    grads = {}                # what the parameters' gradients were at two moments
+
+    def have_grads(module) -> list[bool]:
+        return [p.grad is not None and bool(p.grad.abs().sum()) for p in module.parameters()]
 
     class Skipping(Guarded):
         def training_step(self, batch, batch_idx):
+            i = calls[batch_idx] = calls.get(batch_idx, 0) + 1
             x, y = batch
             loss = torch.nn.functional.mse_loss(self.net(x), y)
-            last_micro = batch[0].shape[0] < BATCH or self.memguard.micro_batch == BATCH
-            return None if batch_idx == skip and last_micro else loss
+            if batch_idx == skip and i == none_at + 1:
+                grads["at_none"] = have_grads(self)   # the earlier micro-batches' backward
+                return None
+            return loss
+
+    class Rolled(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == skip:
+                grads["after"] = have_grads(pl_module)
 
     class Without(Plain):
         def training_step(self, batch, batch_idx):
             return None if batch_idx == skip else super().training_step(batch, batch_idx)
 
     skipped = Skipping()
-    trainer(tmp_path, [MemGuardCallback(budget=None, micro_batch=4)], max_epochs=1,
-            logger=False).fit(skipped, data())
+    cb = MemGuardCallback(budget=None, micro_batch=micro)
+    trainer(tmp_path, [cb, Rolled()], max_epochs=1, logger=False).fit(skipped, data())
     plain = Without()
     trainer(tmp_path, max_epochs=1, logger=False).fit(plain, data())
+    # every batch in 4 micro-batches; the skipped one stopped at its third
+    assert calls == {0: BATCH // micro, 1: BATCH // micro, skip: none_at + 1, 3: BATCH // micro}
+    assert grads["at_none"] == [True] * 4      # the case: gradients were there to roll back
+    assert grads["after"] == [False] * 4 and cb.guard.steps == N // BATCH - 1
     # no optimizer step for the skipped batch (Lightning's own loop counts
     # the empty step in global_step; its parameters do not move either)
     assert skipped.trainer.global_step == N // BATCH - 1
