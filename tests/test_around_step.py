@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import memguard
+from memguard import BudgetOverrunWarning
 from memguard._common import MiB
 from memguard.memory import arena
-from memguard import BudgetOverrunWarning
 
 
 def _model_and_opt():
@@ -79,7 +79,7 @@ def test_an_allocation_past_the_budget_outside_a_step_is_served_and_reported(tmp
         if g.allocator_error is not None:
             pytest.skip(g.allocator_error)
         _step(g, model, opt)
-        with pytest.warns(BudgetOverrunWarning, match=r"outside a guarded step.*64\.0 MiB"):
+        with pytest.warns(BudgetOverrunWarning, match=r"outside a guarded step.*64\.0 MiB"):  # noqa: PT031
             big = torch.ones(96 * MiB, dtype=torch.uint8)    # no split can help here
             deadline = time.monotonic() + 10                 # the sampler's thread reports it
             while g.boundary.overruns.check() == 0 and time.monotonic() < deadline and \
@@ -155,7 +155,7 @@ def test_a_guard_reports_only_the_overruns_of_its_own_install():
     with memguard.Guard(budget=None, tensor_budget="64MiB") as g:
         if g.allocator_error is not None:
             pytest.skip(g.allocator_error)
-        with pytest.warns(BudgetOverrunWarning):
+        with pytest.warns(BudgetOverrunWarning):  # noqa: PT031
             big = torch.ones(96 * MiB, dtype=torch.uint8)
             g.boundary.overruns.check()      # unless the sampler's thread was first
         del big
@@ -184,7 +184,7 @@ def test_a_users_telemetry_whose_event_raises_never_fails_a_step():
 
     model, opt = _model_and_opt()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.warns(ExportStoppedWarning, match="logging service is down") as seen:
+    with pytest.warns(ExportStoppedWarning, match="logging service is down") as seen:  # noqa: PT031, SIM117
         with memguard.Guard(budget=None, micro_batch=8, allocator=False,
                             telemetry=_RaisingTelemetry()) as g:
             for _ in range(3):
