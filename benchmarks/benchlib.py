@@ -49,6 +49,14 @@ def verdict(value: float | None, target: float, higher_is_better: bool = False) 
     return "PASS" if value <= target else "OVER"
 
 
+def share_verdict(part: float | None, whole: float | None, share: float) -> str:
+    """PASS when ``part`` is at most ``share`` of ``whole``, else OVER; '-' when
+    either is missing. A whole of 0 leaves no room: only a part of 0 passes."""
+    if part is None or whole is None:
+        return "-"
+    return "PASS" if part <= share * whole else "OVER"
+
+
 # ------------------------------------------------------------------ workers
 def pedantic_paired(benchmark, run: Callable[..., Any], baseline: Callable[[], Any],
                     rounds: int, setup: Callable[[], Any] | None = None,
