@@ -34,6 +34,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -125,7 +126,40 @@ def _timed(fn, *args) -> dict:
     return {"s": time.perf_counter() - t0}
 
 
+def overhead_batch():
+    """The no-pressure step's batch (seq 32), the same in every process."""
+    import torch
+    g = torch.Generator().manual_seed(2)
+    return (torch.randn(BATCH, 32, DIM, generator=g),
+            torch.randint(0, CLASSES, (BATCH,), generator=g))
+
+
 # ------------------------------------------------------------------ workers
+def serve_plain_loop() -> dict:
+    """The plain loop in a process of its own, with memguard never imported
+    (no sampler, no gc hooks, no arena: what a run without memguard is)."""
+    net, opt, loss_fn = build()
+    batch = overhead_batch()
+    for _ in range(2):                               # warm up
+        plain_step(batch, net, opt, loss_fn)
+    if "memguard" in sys.modules:
+        raise RuntimeError("the plain loop's process imported memguard")
+    return {"step": lambda: _timed(plain_step, batch, net, opt, loss_fn)}
+
+
+def serve_guarded_loop() -> dict:
+    """The same loop through ``guard.step`` in a process of its own, with the
+    guard installed as a user installs it: ``Guard(budget="auto")``, so the
+    sampler, the gc hooks and the arena are all there."""
+    import memguard
+    _, opt, loss_fn = build()
+    batch = overhead_batch()
+    guard = memguard.Guard(budget="auto").install()
+    for _ in range(2):                               # warm up
+        guard.step(batch, loss_fn, opt)
+    return {"step": lambda: _timed(guard.step, batch, loss_fn, opt)}
+
+
 def serve_overhead() -> dict:
     import torch
 
@@ -248,7 +282,8 @@ def serve_oom() -> dict:
     return {"whole": whole, "half": half, "recovered": recovered}
 
 
-SERVERS = {"overhead": serve_overhead, "constrained": serve_constrained, "oom": serve_oom}
+SERVERS = {"plain_loop": serve_plain_loop, "guarded_loop": serve_guarded_loop,
+           "overhead": serve_overhead, "constrained": serve_constrained, "oom": serve_oom}
 
 
 def _setup(kind: str, *args):
@@ -259,10 +294,10 @@ def _setup(kind: str, *args):
     return build_worker
 
 
-def _worker(kind: str, *args) -> Worker:
+def _worker(kind: str, *args, wait: bool = True) -> Worker:
     env = dict(os.environ, OMP_NUM_THREADS="2")
     env.pop("LD_PRELOAD", None)
-    return Worker(__file__, [kind, *map(str, args)], env=env)
+    return Worker(__file__, [kind, *map(str, args)], env=env, wait=wait)
 
 
 def _section(figures: Figures) -> None:
@@ -277,30 +312,54 @@ def rounds(quick: bool) -> tuple:
 
 
 @pytest.fixture(scope="module")
+def loop_workers():
+    """The plain loop's process and the guarded loop's, started side by side."""
+    with contextlib.ExitStack() as stack:
+        ws = [stack.enter_context(_worker(k, wait=False)) for k in ("plain_loop", "guarded_loop")]
+        for w in ws:
+            w.wait_ready()
+        yield ws
+
+
+def test_overhead(benchmark, figures: Figures, rounds: tuple, loop_workers: list) -> None:
+    """A step at seq 32 with no pressure: guard.step in the guarded process,
+    each round paired with a plain step in the plain process just before or
+    just after it (alternating)."""
+    _section(figures)
+    plain, guarded = loop_workers
+    benchmark.group = "throttle: step with no pressure (seq 32)"
+    own, base = pedantic_paired(benchmark, lambda: guarded.call("step")["s"],
+                                lambda: plain.call("step")["s"], rounds[0])
+    fig = {"part": "overhead", "step_s": median(own), "plain_step_s": median(base)}
+    fig["paired_ratios"], fig["ratio"] = paired_median(own, base)
+    benchmark.extra_info.update(step_s=fig["step_s"], ratio_to_plain=fig["ratio"])
+    figures.record(SECTION, benchmark.fullname, fig)
+
+
+@pytest.fixture(scope="module")
 def overhead_worker():
     with _worker("overhead") as w:
         yield w
 
 
 @pytest.mark.parametrize("loop", ["plain", "guard"])
-def test_overhead(benchmark, figures: Figures, rounds: tuple, overhead_worker: Worker,
-                  loop: str) -> None:
-    """A step at seq 32 with no pressure: plain loop, and guard.step paired with plain."""
+def test_overhead_in_process(benchmark, figures: Figures, rounds: tuple,
+                             overhead_worker: Worker, loop: str) -> None:
+    """The old way: both loops in one process, the guard installed (its
+    sampler and gc hooks run under the plain steps too)."""
     _section(figures)
     w, n = overhead_worker, rounds[0]
     own: list[float] = []
     paired: list[float] = []
-    benchmark.group = "throttle: step with no pressure (seq 32)"
+    benchmark.group = "throttle: step with no pressure (seq 32), one process"
     if loop == "plain":
         benchmark.pedantic(lambda: own.append(w.call("plain")["s"]), rounds=n)
     else:
         own, paired = pedantic_paired(benchmark, lambda: w.call("guard")["s"],
                                       lambda: w.call("plain")["s"], n)
-    fig = {"part": "overhead", "loop": loop, "step_s": median(own)}
+    fig = {"part": "overhead_in_process", "loop": loop, "step_s": median(own)}
     if paired:
         fig["paired_ratios"], fig["ratio"] = paired_median(own, paired)
-        benchmark.extra_info.update(ratio_to_plain=fig["ratio"])
-    benchmark.extra_info.update(step_s=fig["step_s"])
     figures.record(SECTION, benchmark.fullname, fig)
 
 
@@ -383,17 +442,25 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
     lines: list[str] = []
     data: dict = {"targets": TARGETS}
     per_test: dict[str, dict] = {}
-    ov = {r["loop"]: r for r in records if r["part"] == "overhead"}
-    if "guard" in ov:
-        g = ov["guard"]
+    g = next((r for r in records if r["part"] == "overhead"), None)
+    if g is not None:
         v = verdict(g["ratio"], TARGETS["overhead"])
         data["overhead"] = {"ratio": g["ratio"], "paired_ratios": g["paired_ratios"],
-                            "guard_step_s": g["step_s"],
-                            "plain_step_s": ov.get("plain", {}).get("step_s"), "verdict": v}
+                            "guard_step_s": g["step_s"], "plain_step_s": g["plain_step_s"],
+                            "verdict": v}
         per_test[g["nodeid"]] = {"ratio": g["ratio"], "verdict": v}
-        lines.append("1. overhead with no pressure (seq 32): guard.step / plain step, paired")
+        lines.append("1. overhead with no pressure (seq 32): guard.step in a guarded process "
+                     "/ plain step in a process without memguard, paired")
         lines.append("   rounds " + ", ".join(f"{x:.3f}" for x in g["paired_ratios"]))
         lines.append(f"   median {g['ratio']:.3f}  (target <= {TARGETS['overhead']})  {v}")
+    old = next((r for r in records if r["part"] == "overhead_in_process" and "ratio" in r), None)
+    if old is not None:
+        data["overhead_in_process"] = {"ratio": old["ratio"],
+                                       "paired_ratios": old["paired_ratios"]}
+        lines.append("   the old way, both loops in one guarded process: rounds "
+                     + ", ".join(f"{x:.3f}" for x in old["paired_ratios"]))
+        lines.append(f"   median {old['ratio']:.3f}")
+    if g is not None or old is not None:
         lines.append("")
     runs = {r["mode"]: r for r in records if r["part"] == "constrained"}
     if runs:

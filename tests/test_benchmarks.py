@@ -123,6 +123,31 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     assert by_name["benchmarks/bench_throttle.py::test_oom_step[whole]"]["stats"]["rounds"] == 1
 
 
+def test_throttle_overhead_summary_judges_the_paired_processes() -> None:
+    """bench_throttle's overhead from made-up rounds: guard.step in a guarded
+    process against a plain step in a process without memguard, judged on
+    the median of the paired ratios (OVER above 1.02, PASS at or below)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_throttle as bench
+
+    def rec(ratios: list[float]) -> dict:
+        return {"part": "overhead", "step_s": 0.26, "plain_step_s": 0.25,
+                "paired_ratios": ratios, "ratio": sorted(ratios)[len(ratios) // 2],
+                "nodeid": "bench_throttle.py::test_overhead"}
+
+    lines, data, per_test = bench.summarize([rec([1.04, 1.07, 0.98, 1.06, 1.05])])
+    assert data["overhead"]["ratio"] == 1.05 and data["overhead"]["verdict"] == "OVER"
+    assert data["overhead"]["plain_step_s"] == 0.25 and data["overhead"]["guard_step_s"] == 0.26
+    assert per_test["bench_throttle.py::test_overhead"] == {"ratio": 1.05, "verdict": "OVER"}
+    assert "   median 1.050  (target <= 1.02)  OVER" in lines
+    assert "   rounds 1.040, 1.070, 0.980, 1.060, 1.050" in lines
+    assert any("a process without memguard" in ln for ln in lines)
+    assert "constrained" not in data and "oom" not in data     # only what was measured
+
+    _, data, _ = bench.summarize([rec([1.03, 0.99, 1.02])])
+    assert data["overhead"]["verdict"] == "PASS"               # at the target passes
+
+
 def test_cpu_allocator_summary_flags_a_step_target_below_the_kernel_floor() -> None:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_cpu_allocator as bench
