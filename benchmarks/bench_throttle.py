@@ -68,9 +68,9 @@ TARGETS = {"overhead": 1.02, "constrained_throughput": 0.7, "oom_cost": 1.5}
 MODES = ["unconstrained", "plain", "accelerate", "memguard"]
 
 #: rounds of each part: (overhead steps, constrained steps, constrained runs,
-#: OOM rounds); the full run and --bench-quick.
-FULL = (40, 16, 3, 7)
-QUICK = (2, 4, 1, 1)
+#: OOM rounds, overhead warm-up steps); the full run and --bench-quick.
+FULL = (40, 16, 3, 7, 2)
+QUICK = (2, 4, 1, 1, 1)
 
 
 # ---------------------------------------------------------------- workload
@@ -138,19 +138,19 @@ def overhead_batch():
 
 
 # ------------------------------------------------------------------ workers
-def serve_plain_loop() -> dict:
+def serve_plain_loop(warmup: int) -> dict:
     """The plain loop in a process of its own, with memguard never imported
     (no sampler, no gc hooks, no arena: what a run without memguard is)."""
     net, opt, loss_fn = build()
     batch = overhead_batch()
-    for _ in range(2):                               # warm up
+    for _ in range(warmup):
         plain_step(batch, net, opt, loss_fn)
     if "memguard" in sys.modules:
         raise RuntimeError("the plain loop's process imported memguard")
     return {"step": lambda: _timed(plain_step, batch, net, opt, loss_fn)}
 
 
-def serve_guarded_loop() -> dict:
+def serve_guarded_loop(warmup: int) -> dict:
     """The same loop through ``guard.step`` in a process of its own, with the
     guard installed as a user installs it: ``Guard(budget="auto")``, so the
     sampler, the gc hooks and the arena are all there."""
@@ -158,7 +158,7 @@ def serve_guarded_loop() -> dict:
     _, opt, loss_fn = build()
     batch = overhead_batch()
     guard = memguard.Guard(budget="auto").install()
-    for _ in range(2):                               # warm up
+    for _ in range(warmup):
         guard.step(batch, loss_fn, opt)
     return {"step": lambda: _timed(guard.step, batch, loss_fn, opt)}
 
@@ -301,13 +301,17 @@ def rounds(quick: bool) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def loop_workers():
-    """The plain loop's process and the guarded loop's, started side by side."""
+def loop_workers(rounds: tuple):
+    """The plain loop's process and the guarded loop's, started (and ended)
+    side by side."""
     with contextlib.ExitStack() as stack:
-        ws = [stack.enter_context(_worker(k, wait=False)) for k in ("plain_loop", "guarded_loop")]
+        ws = [stack.enter_context(_worker(k, rounds[4], wait=False))
+              for k in ("plain_loop", "guarded_loop")]
         for w in ws:
             w.wait_ready()
         yield ws
+        for w in ws:
+            w.end()
 
 
 def test_overhead(benchmark, figures: Figures, rounds: tuple, loop_workers: list) -> None:
@@ -414,7 +418,9 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
         lines.append("1. overhead with no pressure (seq 32): guard.step in a guarded process "
                      "/ plain step in a process without memguard, paired")
         lines.append("   rounds " + ", ".join(f"{x:.3f}" for x in g["paired_ratios"]))
-        lines.append(f"   median {g['ratio']:.3f}  (target <= {TARGETS['overhead']})  {v}")
+        lines.append(f"   median {g['ratio']:.3f}  (target <= {TARGETS['overhead']})  {v};  "
+                     f"steps {g['step_s'] * 1e3:.0f} ms guarded, {g['plain_step_s'] * 1e3:.0f} ms "
+                     "plain (medians)")
         lines.append("")
     runs = {r["mode"]: r for r in records if r["part"] == "constrained"}
     if runs:

@@ -139,7 +139,8 @@ def test_throttle_overhead_summary_judges_the_paired_processes() -> None:
     assert data["overhead"]["ratio"] == 1.05 and data["overhead"]["verdict"] == "OVER"
     assert data["overhead"]["plain_step_s"] == 0.25 and data["overhead"]["guard_step_s"] == 0.26
     assert per_test["bench_throttle.py::test_overhead"] == {"ratio": 1.05, "verdict": "OVER"}
-    assert "   median 1.050  (target <= 1.02)  OVER" in lines
+    assert "   median 1.050  (target <= 1.02)  OVER;  steps 260 ms guarded, 250 ms plain " \
+        "(medians)" in lines
     assert "   rounds 1.040, 1.070, 0.980, 1.060, 1.050" in lines
     assert any("a process without memguard" in ln for ln in lines)
     assert "constrained" not in data and "oom" not in data     # only what was measured
