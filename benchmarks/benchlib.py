@@ -110,9 +110,12 @@ class Worker:
         args: its ``--serve`` arguments.
         env: the environment (None: this one); memguard's ``python/`` is put
             first on PYTHONPATH so the worker imports this checkout.
+        wait: wait here for the worker to be ready; with False, call
+            :meth:`wait_ready` (workers started together start side by side).
     """
 
-    def __init__(self, script: str, args: list[str], env: dict | None = None) -> None:
+    def __init__(self, script: str, args: list[str], env: dict | None = None,
+                 wait: bool = True) -> None:
         env = dict(os.environ if env is None else env)
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.join(ROOT, "python"), HERE] + [p for p in
@@ -124,7 +127,13 @@ class Worker:
         self._proc = subprocess.Popen(
             [sys.executable, "-u", script, "--serve", *args], env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
-        self.ready = self._read()
+        self.ready = self._read() if wait else None
+
+    def wait_ready(self) -> dict:
+        """Wait for a worker started with ``wait=False`` to be ready."""
+        if self.ready is None:
+            self.ready = self._read()
+        return self.ready
 
     def _read(self) -> dict:
         line = self._proc.stdout.readline()
@@ -146,6 +155,14 @@ class Worker:
         self._proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
         self._proc.stdin.flush()
         return self._read()
+
+    def end(self) -> None:
+        """Close the worker's stdin, which ends it, without waiting for it
+        to exit (:meth:`close` waits): workers ended first exit side by side."""
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self._proc.poll() is None:

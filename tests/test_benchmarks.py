@@ -144,6 +144,32 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     assert by_name["benchmarks/bench_throttle.py::test_oom_step[whole]"]["stats"]["rounds"] == 1
 
 
+def test_throttle_overhead_summary_judges_the_paired_processes() -> None:
+    """bench_throttle's overhead from made-up rounds: guard.step in a guarded
+    process against a plain step in a process without memguard, judged on
+    the median of the paired ratios (OVER above 1.02, PASS at or below)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_throttle as bench
+
+    def rec(ratios: list[float]) -> dict:
+        return {"part": "overhead", "step_s": 0.26, "plain_step_s": 0.25,
+                "paired_ratios": ratios, "ratio": sorted(ratios)[len(ratios) // 2],
+                "nodeid": "bench_throttle.py::test_overhead"}
+
+    lines, data, per_test = bench.summarize([rec([1.04, 1.07, 0.98, 1.06, 1.05])])
+    assert data["overhead"]["ratio"] == 1.05 and data["overhead"]["verdict"] == "OVER"
+    assert data["overhead"]["plain_step_s"] == 0.25 and data["overhead"]["guard_step_s"] == 0.26
+    assert per_test["bench_throttle.py::test_overhead"] == {"ratio": 1.05, "verdict": "OVER"}
+    assert "   median 1.050  (target <= 1.02)  OVER;  steps 260 ms guarded, 250 ms plain " \
+        "(medians)" in lines
+    assert "   rounds 1.040, 1.070, 0.980, 1.060, 1.050" in lines
+    assert any("a process without memguard" in ln for ln in lines)
+    assert "constrained" not in data and "oom" not in data     # only what was measured
+
+    _, data, _ = bench.summarize([rec([1.03, 0.99, 1.02])])
+    assert data["overhead"]["verdict"] == "PASS"               # at the target passes
+
+
 def _cpu_rec(workload: str, config: str, step: float, sys_s: float, faults: int,
              rss: int = 1 << 30, **extra) -> dict:
     """A made-up record of bench_cpu_allocator's test_step."""
@@ -385,8 +411,7 @@ def _throttle_runs(overhead: float = 1.01, throughput: float = 0.9,
            "restarts": 0, "batch": 64, "failed": None, "peak_bytes": 100 * MiB,
            "budget_bytes": 160 * MiB}
     return [
-        {"part": "overhead", "loop": "plain", "step_s": 0.2, "nodeid": "ov-plain"},
-        {"part": "overhead", "loop": "guard", "step_s": 0.2, "nodeid": "ov-guard",
+        {"part": "overhead", "step_s": 0.2 * overhead, "plain_step_s": 0.2, "nodeid": "ov",
          "paired_ratios": [overhead, overhead], "ratio": overhead},
         dict(run, mode="unconstrained", throughput=100.0, budget_bytes=0, nodeid="c-u"),
         dict(run, mode="memguard", throughput=100.0 * throughput, micro_batches=[8, 64],
