@@ -23,7 +23,7 @@ $(EXT): $(DEPS) $(CSRC) setup.py
 build: $(EXT)
 
 test: build posix
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -rs --durations=25
 	$(MAKE) --no-print-directory test-posix
 
 # The POSIX fallback layer (what a Unix without its own layer builds), built
@@ -39,7 +39,7 @@ posix: $(DEPS) $(CSRC) setup.py
 	  --build-lib $(POSIX_LIB) >/dev/null
 
 test-posix: posix
-	MEMGUARD_PLATFORM=posix PYTHONPATH=$(POSIX_LIB) $(PY) -m pytest -q -p no:cacheprovider \
+	MEMGUARD_PLATFORM=posix PYTHONPATH=$(POSIX_LIB) $(PY) -m pytest -q -rs -p no:cacheprovider \
 	  $(PORTABLE_TESTS)
 
 # The C unit tests alone: plain, under AddressSanitizer + UBSan, and under
