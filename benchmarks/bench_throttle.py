@@ -70,7 +70,7 @@ MODES = ["unconstrained", "plain", "accelerate", "memguard"]
 #: rounds of each part: (overhead steps, constrained steps, constrained runs,
 #: OOM rounds, overhead warm-up steps); the full run and --bench-quick.
 FULL = (40, 16, 3, 7, 2)
-QUICK = (2, 4, 1, 1, 1)
+QUICK = (2, 4, 1, 1, 0)
 
 
 # ---------------------------------------------------------------- workload
@@ -300,10 +300,10 @@ def rounds(quick: bool) -> tuple:
     return QUICK if quick else FULL
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def loop_workers(rounds: tuple):
     """The plain loop's process and the guarded loop's, started (and ended)
-    side by side."""
+    side by side; gone before the next test."""
     with contextlib.ExitStack() as stack:
         ws = [stack.enter_context(_worker(k, rounds[4], wait=False))
               for k in ("plain_loop", "guarded_loop")]
