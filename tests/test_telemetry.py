@@ -473,6 +473,33 @@ def test_pressure_events_are_not_missed_while_the_callback_thread_waits():
     assert levels[-1][1] == Level.OK
 
 
+def test_a_callback_registered_while_the_thread_is_behind_hears_what_follows():
+    """The callback thread, held up by a slow callback, falls behind the
+    sampler: a pressure callback registered meanwhile still hears the level
+    change that follows its registration. (The thread used to keep the
+    callbacks it started with until it caught up with the sampler, which on
+    a loaded machine may be never.)"""
+    rss = Sampler().sample_now().rss_bytes
+    s = Sampler(interval_ms=5, budget=rss * 100)
+    held, release = threading.Event(), threading.Event()
+
+    def slow(sample):
+        held.set()
+        release.wait(30)
+
+    highs = []
+    s.on_sample(slow)
+    with s:
+        try:
+            assert held.wait(30)                 # the callback thread is behind from here
+            s.on_pressure(lambda ev: highs.append(ev) if ev.new >= Level.HIGH else None)
+            s.set_budget(int(rss / 1.5))
+            assert wait_for(lambda: s.latest().level >= Level.HIGH)
+        finally:
+            release.set()
+        assert wait_for(lambda: highs, timeout=10)
+
+
 def test_fork_child_does_not_inherit_the_exporter(tmp_path):
     path = tmp_path / "parent.jsonl"
     parent = Sampler(interval_ms=5, export=path)
