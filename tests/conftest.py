@@ -2,11 +2,62 @@
 from __future__ import annotations
 
 import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 30.0) -> bool:
+    """Whether ``pred()`` holds within ``timeout`` seconds, polled every
+    10 ms. A loaded machine delays what a test waits for: the test waits
+    longer instead of failing, and where it passes it waits no longer than
+    the event took."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+def check_pace(samples: Sequence[Any], interval_s: float, elapsed_s: float | None = None) -> None:
+    """Check what no load can break about a sampler's pace: it never runs
+    ahead of its interval.
+
+    Its thread aims each sample at the first slot of its interval grid
+    after the previous sample ended, and a late sample only moves the next
+    slot on, so any k consecutive gaps of one run together span more than
+    k - 1 intervals, and a run that lasted ``elapsed_s`` seconds (measured
+    around its start and stop) holds at most ``elapsed_s / interval_s + 1``
+    samples. A slow machine makes samples fewer and later, never more or
+    earlier; how many a quiet machine would take is no part of the check.
+
+    Args:
+        samples: one run of the sampler's thread, oldest first (the first
+            one's ``interval_s`` is from before the run and is not read).
+        interval_s: the interval the sampler was asked for.
+        elapsed_s: how long the run lasted at most; ``None``: not known.
+    """
+    assert samples, "the sampler took no sample"
+    if elapsed_s is not None:
+        assert len(samples) <= elapsed_s / interval_s + 1 + 1e-6, \
+            f"{len(samples)} samples in {elapsed_s:.3f} s at an interval of {interval_s} s"
+    # lead[k]: the time from the first sample to the k-th, less k intervals; it
+    # may not fall a whole interval below any earlier lead
+    lead, top, top_k = 0.0, 0.0, 0
+    for k, s in enumerate(samples[1:], 1):
+        lead += s.interval_s - interval_s
+        assert lead > top - interval_s - 1e-9, (
+            f"samples {samples[top_k].seq} to {s.seq}: {k - top_k} gaps in "
+            f"{lead - top + (k - top_k) * interval_s:.4f} s, not more than "
+            f"{k - top_k - 1} intervals of {interval_s} s")
+        if lead > top:
+            top, top_k = lead, k
 
 
 @pytest.fixture

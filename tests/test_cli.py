@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
+from memguard.cli.watch import format_line
 from memguard.telemetry import Level, read_jsonl
+
+from .conftest import check_pace
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -28,13 +31,23 @@ def test_sample_line():
 
 
 def test_watch_exports_and_stops(tmp_path):
+    """It stops after --duration with every sample exported, sampled no
+    faster than --interval, and prints the samples --print-every apart:
+    checked against the samples' own times, which a loaded machine only
+    makes fewer and later."""
     path = tmp_path / "w.jsonl"
     out = run("watch", "--interval", "20", "--duration", "0.6", "--print-every", "0.2",
               "--export", str(path))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("rss ") >= 2
     _, samples, _ = read_jsonl(path)
-    assert 15 <= len(samples) <= 40
+    assert [s.seq for s in samples] == list(range(1, len(samples) + 1))
+    check_pace(samples[1:], 0.02)  # the first is the sources' check, before the thread
+    shown, last = [], 0.0
+    for s in samples:
+        if s.t - last >= 0.2:
+            shown.append(format_line(s))
+            last = s.t
+    assert [ln for ln in out.stdout.splitlines() if ln.startswith("rss ")] == shown
 
 
 def test_bad_budget_is_an_error_message_not_a_traceback():

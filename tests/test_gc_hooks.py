@@ -7,7 +7,6 @@ import gc
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from memguard import _C
 from memguard.memory.gc_hooks import GcHooks
 from memguard.telemetry import Level, Sampler, read_jsonl
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, wait_for
 
 MiB = 2**20
 
@@ -87,16 +86,28 @@ def test_relieve_is_rate_limited_unless_forced():
 
 def test_relieve_is_rate_limited_by_its_own_cost():
     """At most max_share of the wall time: after a relief that took d
-    seconds, the next waits until d / max_share seconds after it began."""
+    seconds, the next waits until d / max_share seconds after it began.
+    The rate limit reads a clock the test sets: no time passes but the
+    test's, however slowly the machine runs."""
+    now = [1000.0]
     hooks = GcHooks(max_share=0.5)
+    hooks._clock = lambda: now[0]
     first = hooks.relieve("high")
     assert first is not None and first["seconds"] > 0
-    # it began about d ago; the next may begin 2 d after it
     assert not hooks.due() and hooks.relieve("high") is None
-    assert hooks.relieve("high", force=True) is not None   # forced: at once
-    hooks._last_cost = 0.3                   # as if that one had taken 300 ms
-    assert not hooks.due()
-    time.sleep(0.65)                         # 0.3 / 0.5 = 0.6 s after it began
+    forced = hooks.relieve("high", force=True)   # forced: at once
+    assert forced is not None and forced["seconds"] > 0
+    # it began at 1000 and took d: the next may begin 2 d after it
+    now[0] = 1000.0 + 1.99 * forced["seconds"]
+    assert not hooks.due() and hooks.relieve("high") is None
+    now[0] = 1000.0 + 2.01 * forced["seconds"]
+    assert hooks.due()
+    now[0] = 2000.0
+    assert hooks.relieve("high") is not None
+    hooks._last_cost = 0.25                  # as if that one had taken 250 ms
+    now[0] = 2000.499                        # 0.25 / 0.5 = 0.5 s after it began
+    assert not hooks.due() and hooks.relieve("high") is None
+    now[0] = 2000.5
     assert hooks.due() and hooks.relieve("high") is not None
 
 
@@ -160,15 +171,6 @@ def test_relieve_releases_the_arena_cache():
 
 
 # -- the guard under pressure ------------------------------------------------------
-def _wait(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
-
-
 def test_guard_shrinks_within_a_step_of_high_and_relieves_once(tmp_path):
     torch = pytest.importorskip("torch")
     root = FIXTURES / "proc" / "v2"
@@ -180,6 +182,9 @@ def test_guard_shrinks_within_a_step_of_high_and_relieves_once(tmp_path):
     path = tmp_path / "guard.jsonl"
     guard = memguard.Guard(budget=None, micro_batch="auto", allocator=False, sampler=sampler,
                            telemetry=path, gc_interval_s=60)
+    now = [0.0]
+    guard.gc._clock = lambda: now[0]         # the rate limit reads the test's time
+    guard.gc.max_share = 1.0                 # so only gc_interval_s limits reliefs
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -196,24 +201,26 @@ def test_guard_shrinks_within_a_step_of_high_and_relieves_once(tmp_path):
         gc.collect()
         assert guard.gc.stats.collections[2] == n + 1  # the guard's gc hooks are in
         sampler.on_pressure(lambda ev: highs.append(ev) if ev.new >= Level.HIGH else None)
-        assert _wait(lambda: sampler.latest() is not None)
+        assert wait_for(lambda: sampler.latest() is not None)
         assert sampler.latest().level < Level.HIGH  # the fixture's headroom: ELEVATED
         res = guard.step(x, loss_fn, opt)  # the whole batch
         assert res.micro_batch == 32 and guard.plan()["reason"] == "start"
         sampler.set_budget(high_budget)
-        assert _wait(lambda: sampler.latest().level >= Level.HIGH)
-        s = sampler.latest()
-        assert s.level == Level.HIGH and "budget" in s.reasons
+        # the guard's callbacks run before this one, on the same thread: once
+        # it has the rise, so has the guard, however late that thread runs
+        assert wait_for(lambda: len(highs) == 1)
+        assert highs[0].new == Level.HIGH and "budget" in highs[0].sample.reasons
         res = guard.step(x, loss_fn, opt)
         plan = guard.plan()
         assert res.micro_batch == 16 and res.n_micro == 2 and res.retries == 0
         assert plan["action"] == "shrink" and plan["reason"] == "high"
-        assert _wait(lambda: len(highs) == 1)  # guard's callback ran before this one
-        # down and up again within gc_interval_s: the second relief is rate-limited
+        # down and up again 59 s later, within gc_interval_s: the second relief
+        # is rate-limited
+        now[0] = 59.0
         sampler.set_budget(calm_budget)
-        assert _wait(lambda: sampler.latest().level < Level.HIGH)  # ELEVATED: headroom
+        assert wait_for(lambda: sampler.latest().level < Level.HIGH)  # ELEVATED: headroom
         sampler.set_budget(high_budget)
-        assert _wait(lambda: len(highs) == 2)
+        assert wait_for(lambda: len(highs) == 2)
         assert guard.gc.stats.reliefs == 1
     finally:
         guard.uninstall()

@@ -44,17 +44,38 @@ def _wide(batch: torch.Tensor) -> None:
     torch.nn.functional.gelu(batch @ torch.ones(64, 256)).sum()
 
 
+def _within_5_percent(res, limit: float) -> None:
+    """The size found is within 5 % of the largest that fits, as
+    tests/test_finder.py holds the finder to: it fits, and 5.3 % more does
+    not (the step's peak grows with the batch, so no larger size fits
+    either), measured as the finder measures: bytes asked of memguard's
+    arena."""
+    assert res.peak_source == "arena" and 0 < res.size and res.measured_peak_bytes <= limit, res
+    over = int(res.size / 0.95) + 1
+    installed = memguard.memory.arena.installed()
+    if not installed:
+        memguard.install()
+    try:
+        x = torch.zeros(over, 64)
+        memguard.memory.arena.reset_peaks()
+        _wide(x)
+        peak = memguard.stats()["requested_bytes.peak"]
+    finally:
+        if not installed:
+            memguard.uninstall()
+    assert peak > limit, (f"{over} samples fit too ({peak} <= {limit:.0f} bytes): "
+                          f"{res.size} is more than 5 % short of the largest size that fits")
+
+
 def test_a_huge_first_probe_is_bounded_and_still_finds_what_fits(arena):
     """first_probe=10**9 (64 GB of batch) is never built: probes are capped
     by what the budget can hold of the batch and run under the arena's bound;
-    the size found fits and is no further than a probe from the truth."""
+    the size found fits and is within 5 % of the largest that does."""
     budget = 256 * MiB
     res = memguard.find_batch_size(_wide, torch.zeros(8, 64), budget=budget, first_probe=10**9)
     assert max(size for size, _ in res.probes) * 64 * 4 <= budget
     assert "bounded" in res.note
-    limit = budget * 0.9
-    assert 0 < res.size and res.measured_peak_bytes <= limit
-    assert res.size * 2300 >= 0.5 * limit      # not "nothing fits"
+    _within_5_percent(res, budget * 0.9)
 
 
 def test_a_first_probe_above_what_fits_is_shrunk_not_given_up():
@@ -64,7 +85,7 @@ def test_a_first_probe_above_what_fits_is_shrunk_not_given_up():
     res = memguard.find_batch_size(_wide, torch.zeros(8, 64), budget=256 * MiB,
                                    first_probe=10**6)
     assert res.probes[0][0] <= 10**6
-    assert res.size > 20_000 and res.measured_peak_bytes <= 256 * MiB * 0.9, res
+    _within_5_percent(res, 256 * MiB * 0.9)
 
 
 def test_a_peak_that_does_not_grow_with_the_batch_is_reported_not_extrapolated(arena):

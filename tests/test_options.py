@@ -5,10 +5,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 import memguard
+
+from .conftest import check_pace, wait_for
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -41,13 +44,15 @@ def test_configure_sets_and_validates(restore_options):
 
 
 def test_configured_interval_reaches_new_samplers(restore_options):
-    memguard.configure(interval_ms=20)
-    with memguard.Sampler() as s:
-        import time
-
-        time.sleep(0.5)
-    intervals = sorted(x.interval_s for x in s.history() if x.interval_s)
-    assert 0.015 < intervals[len(intervals) // 2] < 0.03
+    """A sampler made after configure() never samples faster than the
+    interval configured, which is longer than the default (100 ms): one
+    on the default would take its 3 samples in 0.2 s."""
+    memguard.configure(interval_ms=250)
+    s = memguard.Sampler()
+    t0 = time.monotonic()
+    with s:
+        assert wait_for(lambda: len(s.history()) >= 3)
+    check_pace(s.history(), 0.25, time.monotonic() - t0)
 
 
 def test_environment_is_read():

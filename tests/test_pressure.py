@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 from memguard import _C
 from memguard.telemetry import Level, Sample, Sampler, read_jsonl
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, wait_for
 
 TRACES = FIXTURES / "traces"
 
@@ -132,7 +131,10 @@ def _psi(some_us, full_us):
 
 def test_fixture_tree_drives_the_sampler_up_and_down(tmp_path, restore_options):
     """The whole path: files -> sources -> deltas -> model -> published level,
-    with the sampler thread reading a tree the test rewrites."""
+    with the sampler thread reading a tree the test rewrites. Each phase
+    lasts until the sampler has seen it, and what is checked of each sample
+    follows from what that sample read, however late a loaded machine ran
+    the sampler's thread."""
     _C.arena_trim(0)        # this process's arena cache is no part of the tree
     _C.option_set("slow_interval_ms", "5")
     proc, cg = tmp_path / "proc", tmp_path / "cgroup"
@@ -148,26 +150,35 @@ def test_fixture_tree_drives_the_sampler_up_and_down(tmp_path, restore_options):
     s = Sampler(interval_ms=10, proc_root=proc, cgroup_root=cg, pressure={"calm_samples": 3})
     events = []
     s.on_pressure(events.append)
+    total = 0
+
+    def stall() -> bool:
+        """Move the PSI totals an hour on (a stall far past wall time,
+        capped at 1.0); whether 3 samples stalled yet."""
+        nonlocal total
+        total += 3600 * 10**6
+        _write(proc, "pressure/memory", _psi(total, total // 2))
+        return sum("psi" in h.reasons for h in s.history()) >= 3
+
     with s:
-        # stall: PSI totals advance faster than wall time (capped at 1.0)
-        t0, total = time.monotonic(), 0
-        while time.monotonic() - t0 < 0.3:
-            total += 20_000
-            _write(proc, "pressure/memory", _psi(total, total // 2))
-            time.sleep(0.005)
+        assert wait_for(stall)
         stall_end = s.latest().seq
-        _write(proc, "pressure/memory", _psi(total, total // 2))  # stalls stop
-        time.sleep(0.3)
+        # the stalls stop: down after calm_samples samples
+        assert wait_for(lambda: s.latest().level == Level.OK)
         # headroom: MemAvailable falls to 2 % of MemTotal
         _write(proc, "meminfo", "MemTotal: 1000 kB\nMemAvailable: 20 kB\n")
-        time.sleep(0.2)
+        written = s.latest().seq       # the next one may have read the file before
+        assert wait_for(lambda: s.latest().seq >= written + 2)
         low = s.latest()
     hist = s.history()
-    during = [h for h in hist if h.seq <= stall_end]
-    stalled = [h for h in during if h.raw_level == Level.CRITICAL and "psi" in h.reasons]
-    assert len(stalled) >= len(during) // 3
-    peak = stalled[-1]
-    assert all(h.psi_some_stall >= 0.4 for h in stalled)
+    # a sample stalls exactly when the totals moved since the one before it
+    for prev, h in zip(hist, hist[1:]):
+        moved = None not in (prev.psi_some_total_us, h.psi_some_total_us) and \
+            h.psi_some_total_us > prev.psi_some_total_us
+        assert ("psi" in h.reasons) == moved, (prev, h)
+        if moved:
+            assert h.raw_level == Level.CRITICAL and h.psi_some_stall == 1.0, h
+    peak = [h for h in hist if h.seq <= stall_end and "psi" in h.reasons][-1]
     assert peak.rss_bytes == 256 * os.sysconf("SC_PAGE_SIZE")
     assert peak.minor_faults == 100
     assert low.level == Level.CRITICAL and low.reasons == ("headroom",)

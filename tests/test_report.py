@@ -84,6 +84,9 @@ with guard:
             tb.event("oom_recovered", step=step)
         micro.append(res.micro_batch)
         time.sleep(0.03)                   # a few samples a step
+    deadline = time.monotonic() + 60       # 10 at least, however slow the machine
+    while sampler.latest().seq < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
     postfix = guard.postfix()
     latest_rss = sampler.latest().rss_bytes
 tb.close()

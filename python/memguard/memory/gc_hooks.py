@@ -72,6 +72,7 @@ class GcHooks:
         self._lock = threading.Lock()   # one relief at a time; guards _last, _last_cost
         self._last = -float("inf")      # when the last relief began (monotonic s)
         self._last_cost = 0.0           # how long it took
+        self._clock: Callable[[], float] = time.monotonic  # _last and due() read it (tests set it)
         self._installed = False
 
     def install(self) -> GcHooks:
@@ -124,7 +125,7 @@ class GcHooks:
     def due(self) -> bool:
         """Whether a relief that is not forced would run now."""
         wait = max(self.min_interval_s, self._last_cost / self.max_share)
-        return time.monotonic() - self._last >= wait
+        return self._clock() - self._last >= wait
 
     def relieve(self, reason: str = "pressure", *, force: bool = False,
                 collect: bool | None = None, arena_keep: int = 0) -> dict | None:
@@ -145,7 +146,7 @@ class GcHooks:
         with self._lock:
             if not force and not self.due():
                 return None
-            self._last = time.monotonic()
+            self._last = self._clock()
             t0 = time.perf_counter()
             done: dict[str, Any] = {"reason": reason}
             if collect or (collect is None and gc.isenabled()):

@@ -291,17 +291,19 @@ class Sampler:
 
     def _dispatch(self) -> None:
         with self._dispatch_lock:
-            with self._lock:
-                on_sample = list(self._on_sample)
-                on_pressure = list(self._on_pressure)
-            if not on_sample and not on_pressure:
-                d = self._c.latest()  # nobody listens: just keep up
-                if d is not None:
-                    self._last_seq = d["seq"]
-                    self._last_level = Level(d["level"])
-                return
-            # every sample in order, so no level change is missed or merged
+            # every sample in order, so no level change is missed or merged;
+            # the callbacks are read again for each batch, so one registered
+            # while this thread is behind hears every sample taken after it
             while True:
+                with self._lock:
+                    on_sample = list(self._on_sample)
+                    on_pressure = list(self._on_pressure)
+                if not on_sample and not on_pressure:
+                    d = self._c.latest()  # nobody listens: just keep up
+                    if d is not None:
+                        self._last_seq = d["seq"]
+                        self._last_level = Level(d["level"])
+                    return
                 batch, dropped = self._c.since(self._last_seq, 1024)
                 self.dropped += dropped
                 if not batch:
