@@ -197,7 +197,9 @@ def test_c_valgrind(test: str) -> None:
         _built["plain"] = _build("plain")
     exe = _built["plain"][test]
     proc = subprocess.run(
-        [VALGRIND, "-q", "--error-exitcode=99", "--leak-check=full",
+        # fair scheduling: valgrind runs one thread at a time, and without it
+        # a sleeping main thread waits seconds behind busy workers
+        [VALGRIND, "-q", "--fair-sched=yes", "--error-exitcode=99", "--leak-check=full",
          "--errors-for-leak-kinds=definite", str(exe), str(FIXTURES)],
         cwd=ROOT, env=_env["plain"], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, (
