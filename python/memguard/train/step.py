@@ -255,7 +255,7 @@ class Transaction:
         g.steps += 1                       # first: the count agrees with the commit
         plan = g.planner.state() if self.tried else begun["plan"]   # the OOM's decision
         aux = _batch.concat(self.aux) if self.aux else None
-        peak = g.boundary.end(self.micro)
+        peak = g.boundary.end(self.micro, self.a.n)
         g.peak_bytes = max(g.peak_bytes, peak)
         g.last = StepResult(loss=loss, micro_batch=self.micro, n_micro=self._n_micro,
                             retries=len(self.tried), peak_bytes=peak, aux=aux,
@@ -264,7 +264,7 @@ class Transaction:
                         retries=len(self.tried), peak_bytes=peak, loss=loss,
                         action=plan["action"], reason=plan["reason"], batch=self.a.n,
                         level=begun["level"], planner_budget_bytes=begun["budget"],
-                        floor_bytes=g.boundary.floor)
+                        floor_bytes=g.boundary.floor, timed_s=g.boundary.seconds or None)
         return g.last
 
     def _post_step(self, res: StepResult) -> None:
