@@ -80,7 +80,7 @@ class Boundary:
     def follow_now(self, budget: int) -> None:
         """Within a step (after an out-of-memory error): the room now, the
         arena's budget and the planner's following it."""
-        self.room.follow(self.signals.latest_sample(), self._manages_arena())
+        self.room.follow(self.signals.latest_sample(), self.manages_arena())
         self.sync_budget(budget)
 
     def cache_keep(self) -> int:
@@ -90,19 +90,27 @@ class Boundary:
         return int(arena.stats()["cached_bytes"]) if keep is None else keep
 
     def sync_budget(self, budget: int) -> None:
-        """The planner plans against the budget of what the peaks measure:
-        the arena's (the room the live budget leaves tensors) when it serves
-        them, the device's for CUDA, the process's ``budget`` for RSS."""
-        if self.peak.source == "arena":
-            budget = arena.stats()["budget_bytes"]
-        elif self.peak.source == "cuda":
-            gov = self.signals.governor
-            budget = 0 if gov is None else \
-                gov.budget_bytes or (gov.last or {}).get("total_bytes", 0)
-        self.planner.set_budget(budget)
+        """The planner plans against the budget of what the step's peaks
+        measure (:meth:`budget_of`), and, for CUDA batches, prefers
+        multiples of 8."""
+        self.planner.set_budget(self.budget_of(self.peak.source, budget))
         self.planner.set_align(8 if self.peak.source == "cuda" else 1)
 
-    def _manages_arena(self) -> bool:
+    def budget_of(self, source: str, budget: int) -> int:
+        """The budget of what peaks from ``source`` measure: the arena's
+        (the room the live budget leaves tensors) when it serves them, the
+        device's for CUDA, the process's ``budget`` for RSS."""
+        if source == "arena":
+            return int(arena.stats()["budget_bytes"])
+        if source == "cuda":
+            gov = self.signals.governor
+            return 0 if gov is None else \
+                gov.budget_bytes or (gov.last or {}).get("total_bytes", 0)
+        return budget
+
+    def manages_arena(self) -> bool:
+        """Whether the room sets the arena's budget: the guard is installed
+        and the arena is its to manage."""
         return self.active and self.room.manages_arena and arena.installed()
 
     def _follow_room(self, level: int, step: int) -> None:
@@ -112,7 +120,7 @@ class Boundary:
         outside = self.signals.take_outside_peak()
         if step:
             self.room.record_step(outside)
-        state = self.room.boundary(self.signals.latest_sample(), self._manages_arena())
+        state = self.room.boundary(self.signals.latest_sample(), self.manages_arena())
         if before is None or _moved(before.budget_bytes, state.budget_bytes):
             self.signals.event(Event.ROOM, step=step, **state.to_dict())
         if level >= Level.HIGH:
