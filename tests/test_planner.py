@@ -425,6 +425,8 @@ def test_binding_basics():
     # the time model: once a step is timed, in the state too
     assert p.predict_time(32) is None
     p.time(32, 32, 0.5)
+    assert p.state()["time_per_micro_s"] is None       # one size timed: no slope yet
+    assert p.predict_time(32) == 0.5 and p.predict_time(16) is None
     p.time(16, 32, 0.7)
     assert p.predict_time(8) == pytest.approx(0.5 + 3 * 0.2)
     st_ = p.state()

@@ -508,15 +508,21 @@ void mg_planner_time(mg_planner_t *p, uint64_t micro, uint64_t batch, double sec
     p->tkt = p->tkt * d + k * seconds;
 }
 
-/* t = base + per_micro * k over the timed steps; with one k seen, or a
- * slope below 0 (noise, or a loaded machine, more often than a real
- * saving: acting on it would stop growth back), per_micro is 0. */
+/* t = base + per_micro * k over the timed steps; a slope below 0 (noise,
+ * or a loaded machine, more often than a real saving: acting on it would
+ * stop growth back) is 0; with one k seen, per_micro is NAN and base the
+ * mean time. */
 int mg_planner_time_model(const mg_planner_t *p, double *base, double *per_micro)
 {
     if (p->tw <= 0.0)
         return ENODATA;
     double mk = p->tk / p->tw, mt = p->tt / p->tw, var = p->tkk / p->tw - mk * mk;
-    double slope = var > 1e-9 ? (p->tkt / p->tw - mk * mt) / var : 0.0;
+    if (var <= 1e-9) {
+        *per_micro = NAN;
+        *base = mt;
+        return 0;
+    }
+    double slope = (p->tkt / p->tw - mk * mt) / var;
     if (slope < 0.0)
         slope = 0.0;
     *per_micro = slope;
@@ -529,9 +535,12 @@ int mg_planner_predict_time(const mg_planner_t *p, uint64_t micro, double *secon
     double base, per, k = (double)((p->timed_full + micro - 1) / (micro ? micro : 1));
     if (micro == 0 || mg_planner_time_model(p, &base, &per))
         return ENODATA;
-    double mk = p->tk / p->tw, var = p->tkk / p->tw - mk * mk;
-    if (var <= 1e-9 && fabs(k - mk) > 0.5)
-        return ENODATA; /* one number of micro-batches seen: no slope to go by */
+    if (isnan(per)) { /* one number of micro-batches seen: that one only */
+        if (fabs(k - p->tk / p->tw) > 0.5)
+            return ENODATA;
+        *seconds = base;
+        return 0;
+    }
     *seconds = base + per * k;
     return 0;
 }

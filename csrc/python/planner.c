@@ -1,6 +1,7 @@
 /* memguard._C.Planner: the micro-batch planner (memguard-planner.h) as a
  * Python object; Guard.step drives it and tests replay traces through it. */
 #include <errno.h>
+#include <math.h>
 
 #include "memguard/memguard-planner.h"
 #include "mgpy.h"
@@ -208,7 +209,13 @@ static PyObject *Planner_state(PlannerObject *self, PyObject *unused)
     if (st == NULL || !timed)
         return st;
     /* the time model, once a step was timed */
-    PyObject *b = PyFloat_FromDouble(base), *m = PyFloat_FromDouble(per);
+    PyObject *b = PyFloat_FromDouble(base), *m;
+    if (isnan(per)) { /* not known yet */
+        m = Py_None;
+        Py_INCREF(m);
+    } else {
+        m = PyFloat_FromDouble(per);
+    }
     if (b == NULL || m == NULL || PyDict_SetItemString(st, "time_base_s", b) ||
         PyDict_SetItemString(st, "time_per_micro_s", m))
         Py_CLEAR(st);

@@ -178,7 +178,8 @@ MG_API int mg_planner_predict_time(const mg_planner_t *p, uint64_t micro, double
 
 /**
  * The learnt time model: @p per_micro, what one more micro-batch costs
- * (never below 0), and @p base, the rest of the step.
+ * (never below 0; NAN while one number of micro-batches was timed), and
+ * @p base, the rest of the step (then: the mean step time).
  * @return 0, or ENODATA before a timed step.
  */
 MG_API int mg_planner_time_model(const mg_planner_t *p, double *base, double *per_micro);

@@ -2,6 +2,7 @@
  * starting size, shrinking on pressure and OOM, growth after calm steps to
  * balanced sizes, failed sizes and the model, fixed mode, small batches,
  * and the constraints on every decision of a long pseudo-random run. */
+#include <math.h>
 #include <stdint.h>
 
 #include "memguard/memguard-planner.h"
@@ -1170,6 +1171,9 @@ static void test_time_model(void)
     CHECK_EQ(mg_planner_predict_time(&p, 64, &t), 0);
     CHECK_NEAR(t, 0.48, 1e-9);
     CHECK_EQ(mg_planner_predict_time(&p, 52, &t), ENODATA);
+    CHECK_EQ(mg_planner_time_model(&p, &base, &per), 0);
+    CHECK(isnan(per));
+    CHECK_NEAR(base, 0.48, 1e-9);
     /* 0.06 s a step plus 0.105 s a micro-batch (the GPU story: 4 x 64 in
      * 0.48 s, 5 x 52 in 0.585 s) */
     for (int i = 0; i < 5; i++)
