@@ -42,7 +42,7 @@ class Boundary:
         self.overruns.check()
         level = self.signals.boundary_level()   # first: it pushes the last step's CUDA peaks
         self._follow_room(level, step)
-        self.floor = self.peak.start(batch)
+        self.floor = self.peak.start(batch, self.signals.cuda_pushed)   # the push's reading
         self.sync_budget(budget)
         return self.planner.begin(n, level, peers, step)
 
