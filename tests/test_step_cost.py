@@ -22,7 +22,9 @@ from memguard.train.peaks import PeakMeter
 
 F = torch.nn.functional
 GIB = 1 << 30
-READ = torch.ops.aten._local_scalar_dense.default
+#: what reads a tensor's value to the host: .item(), float(t), bool(t); and
+#: torch.equal, whose bool on a GPU is one such read
+READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,7 +45,7 @@ class Reads(TorchDispatchMode):
         self.log: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is READ:
+        if func in READS:
             self.log.append("read")
         elif func._schema.is_mutable and any(
                 isinstance(t, torch.Tensor) and t.data_ptr() in self.ptrs
@@ -56,9 +58,22 @@ class Reads(TorchDispatchMode):
         return self.log.count("read")
 
 
+class Buffers(torch.nn.Module):
+    """Three buffers a step may not change (a guard watches them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in "abc":
+            self.register_buffer(name, torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def setup(scaled: bool):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3),
+                                Buffers())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu") if scaled else None
     return model, opt, scaler
@@ -94,7 +109,7 @@ def plain_reads(scaled: bool, clip: float | None) -> int:
     return r.reads
 
 
-@pytest.mark.parametrize("kind", ["plain", "clip", "scaler", "split"])
+@pytest.mark.parametrize("kind", ["plain", "clip", "scaler", "split", "restore"])
 def test_a_guarded_step_reads_the_device_as_often_as_the_plain_step(kind):
     """A guarded step reads the device no more often than the plain loop's
     step that reads its loss once (the guard's read is that one: the step's
@@ -102,18 +117,22 @@ def test_a_guarded_step_reads_the_device_as_often_as_the_plain_step(kind):
     backward, for the result and the finiteness check alike, and no read
     waits for the optimizer's update (none comes after it writes a
     parameter). With a scaler, ``scaler.step``'s own read is the plain
-    step's too."""
+    step's too. A split step that watches ``restore`` buffers reads once
+    more, whether any of them changed (not once per buffer)."""
     scaled, clip = kind == "scaler", (1.0 if kind == "clip" else None)
+    split = kind in ("split", "restore")
     model, opt, scaler = setup(scaled)
-    with memguard.Guard(budget=None, micro_batch=4 if kind == "split" else "auto") as guard:
+    with memguard.Guard(budget=None, micro_batch=4 if split else "auto") as guard:
         def loss_fn(b: Any) -> torch.Tensor:
             return F.mse_loss(model(b[0]), b[1])
 
-        guard.step((X, Y), loss_fn, opt, scaler=scaler, clip_grad_norm=clip)
+        kw = {"scaler": scaler, "clip_grad_norm": clip,
+              "restore": model if kind == "restore" else ()}
+        guard.step((X, Y), loss_fn, opt, **kw)
         with Reads(list(model.parameters())) as r:
-            res = guard.step((X, Y), loss_fn, opt, scaler=scaler, clip_grad_norm=clip)
-    assert res.n_micro == (2 if kind == "split" else 1)
-    plain = plain_reads(scaled, clip)
+            res = guard.step((X, Y), loss_fn, opt, **kw)
+    assert res.n_micro == (2 if split else 1)
+    plain = plain_reads(scaled, clip) + (kind == "restore")
     assert r.reads <= plain, f"{r.reads} reads of the device in a guarded step, {plain} in " \
                              f"the plain one: {r.log}"
     assert "update" in r.log
