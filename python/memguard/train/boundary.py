@@ -42,7 +42,9 @@ class Boundary:
         self.overruns.check()
         level = self.signals.boundary_level()   # first: it pushes the last step's CUDA peaks
         self._follow_room(level, step)
-        self.floor = self.peak.start(batch, self.signals.cuda_pushed)   # the push's reading
+        # the push's reading, unless a relief (HIGH) freed memory since
+        pushed = self.signals.cuda_pushed if level < Level.HIGH else None
+        self.floor = self.peak.start(batch, pushed)
         self.sync_budget(budget)
         return self.planner.begin(n, level, peers, step)
 
