@@ -262,3 +262,40 @@ def test_a_guarded_cuda_step_reads_torchs_counters_once_per_boundary(monkeypatch
         for _ in range(3):
             guard.step((x, y), loss_fn, opt)
     assert calls["stats"] <= 3 * 3 and calls["info"] <= 3 * 2, calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_guarded_cuda_step_synchronises_as_often_as_the_plain_step():
+    """On a GPU, torch's own count: a guarded step makes no more
+    synchronising calls (``torch.cuda.set_sync_debug_mode``) than the plain
+    loop's step that reads its loss once."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 8)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 8, device="cuda")
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+
+    def syncs(step: Any) -> int:
+        step()                                    # state created, kernels loaded
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in got)
+
+    with memguard.Guard(budget=None, cuda_budget="auto") as guard:
+        guarded = syncs(lambda: guard.step((x, y), lambda b: F.mse_loss(model(b[0]), b[1]), opt))
+    assert guarded <= syncs(plain)
