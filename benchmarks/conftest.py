@@ -27,6 +27,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "measures nothing")
     group.addoption("--bench-cuda-amp", action="store_true",
                     help="bench_cuda: bfloat16 autocast instead of fp32")
+    group.addoption("--bench-gpu-pressure", default=None, metavar="KEY=VALUE,...",
+                    help="bench_gpu_pressure: settings to change (batch=128,free=12GiB,...)")
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,8 @@ def test_suite_is_collected_from_the_benchmarks_directory(tmp_path) -> None:
                    "benchmarks/bench_throttle.py::test_constrained[accelerate]",
                    "benchmarks/bench_sampler.py::test_sampler_thread[100]",
                    "benchmarks/bench_cuda.py::test_cuda_budget_held",
-                   "benchmarks/bench_pressure.py::test_limit_lowered_then_raised[memguard]"):
+                   "benchmarks/bench_pressure.py::test_limit_lowered_then_raised[memguard]",
+                   "benchmarks/bench_gpu_pressure.py::test_mid_run[freed]"):
         assert wanted in ids, sorted(ids)
     # and `make test` (plain pytest) does not run them: tests/ is the only test path
     out = run_bench(tmp_path, "--collect-only", "-q")
@@ -434,3 +435,108 @@ def test_throttle_summary_judges_each_target(figures: dict, want: dict) -> None:
     _, data, _ = bench.summarize(_throttle_runs(**figures))
     got = {k: data[k]["verdict"] for k in ("overhead", "constrained", "oom")}
     assert got == dict({k: "PASS" for k in got}, **want)
+
+
+def _gpu_step(i: int, ms: float, micro: int = 128, n_micro: int = 2, ok: bool = True) -> dict:
+    """One step of a made-up bench_gpu_pressure run."""
+    return {"step": i, "seconds": ms / 1e3, "ok": ok, "micro": micro, "n_micro": n_micro,
+            "retries": 0, "loss": 6.9}
+
+
+def _gpu_runs(no_pressure: float = 1.01, plain_fits: bool = False, mg_ms: float = 205.0,
+              whole_after: int | None = 1, taken_ms: float = 205.0, taken_fails: bool = False,
+              splits_fit: bool = True) -> list[dict]:
+    """Made-up bench_gpu_pressure records (its quick settings: 8 steps, the
+    event after 4, settled from step 3): hand-written 128 x 2 at 200 ms a
+    step is the reference (86 x 3 fits too, slower); memguard recovers its
+    first step, then runs at ``mg_ms``; freed, the whole batch
+    ``whole_after`` steps after the rise; taken, ``taken_ms`` after it."""
+    bench = bench_module("bench_gpu_pressure")
+    s = dict(bench.QUICK)
+    info = {"device_name": "a GPU", "torch": "2.x", "model": "ViT", "params": 86_000_000}
+    step = _gpu_step
+    pressure = {"level": 20 << 30, "settings": s, "info": info, "planned": s["steps"]}
+    plain = dict(pressure, scenario="pressure", mode="plain", nodeid="p-plain",
+                 steps=[step(i, 150, 256, 1) for i in range(8)] if plain_fits else
+                 [step(0, 90, ok=False)], planned=8)
+    split = {"scenario": "pressure", "mode": "split", "settings": s, "level": 20 << 30,
+             "nodeid": "p-split", "splits": [
+                 {"n_micro": 2, "micro": 128, "fits": splits_fit,
+                  "steps": [step(i, 300 if i == 0 else 200) for i in range(4)] if splits_fit
+                  else [step(0, 100, ok=False)]},
+                 {"n_micro": 3, "micro": 86, "fits": splits_fit,
+                  "steps": [step(i, 260, 86, 3) for i in range(4)] if splits_fit
+                  else [step(0, 100, ok=False)]}]}
+    mg = dict(pressure, scenario="pressure", mode="memguard", nodeid="p-mg",
+              steps=[step(0, 500)] + [step(i, mg_ms) for i in range(1, 8)])
+    post = [step(4 + i, 150, 256, 1) if whole_after is not None and i + 1 >= whole_after
+            else step(4 + i, 200) for i in range(4)]
+    freed = dict(pressure, scenario="freed", mode="memguard", nodeid="freed", event_after=4,
+                 free_after_event=70 << 30, steps=[step(i, 200) for i in range(4)] + post)
+    after = [step(4, 220)] + [step(i, taken_ms) for i in range(5, 8)]
+    if taken_fails:
+        after = [step(4, 220, ok=False)]
+    taken = dict(pressure, scenario="taken", mode="memguard", nodeid="taken", event_after=4,
+                 free_after_event=256 << 20, steps=[step(i, 200) for i in range(4)] + after)
+    no = {"scenario": "no_pressure", "settings": s, "info": info, "nodeid": "np",
+          "plain_burst_s": [0.3] * 6, "memguard_burst_s": [0.3 * no_pressure] * 6}
+    return [no, plain, split, mg, freed, taken]
+
+
+def test_gpu_pressure_summary_judges_each_target() -> None:
+    """bench_gpu_pressure's verdicts from made-up runs that meet every target."""
+    bench = bench_module("bench_gpu_pressure")
+    lines, data, per_test = bench.summarize(_gpu_runs())
+    assert data["verdict"] == {"no_pressure": "PASS", "pressure_binds": "PASS",
+                               "throughput": "PASS", "steps_to_whole": "PASS",
+                               "take_throughput": "PASS", "completed": "PASS"}, lines
+    assert data["reference"] == {"throughput": pytest.approx(256 / 0.2), "n_micro": 2}
+    assert data["pressure"]["ratio"] == pytest.approx(200 / 205)
+    assert data["no_pressure"]["ratio"] == pytest.approx(1.01)
+    assert data["freed"]["steps_to_whole"] == 1 and per_test["freed"]["steps_to_whole"] == 1
+    assert data["taken"]["ratio"] == pytest.approx(200 / 205)
+    text = "\n".join(lines)
+    assert "out of memory at step 0, as expected  PASS" in text, text
+    assert "hand-written   86 x 3:" in text and "200ms@128x2" in text
+    got = bench.parse_settings(bench.QUICK, "batch=128,free=12GiB,room_share=0.6")
+    assert (got["batch"], got["free"], got["room_share"]) == (128, 12 << 30, 0.6)
+    with pytest.raises(ValueError, match="no setting 'bach'"):
+        bench.parse_settings(bench.QUICK, "bach=128")
+
+
+@pytest.mark.parametrize("made_up, want", [
+    ({"no_pressure": 1.03}, {"no_pressure": "OVER"}),
+    # the plain loop fit: the holder did not make the batch too large
+    ({"plain_fits": True}, {"pressure_binds": "FAIL"}),
+    ({"mg_ms": 215.0}, {"throughput": "UNDER"}),
+    ({"whole_after": 3}, {"steps_to_whole": "OVER"}),
+    ({"whole_after": None}, {"steps_to_whole": "OVER"}),
+    ({"taken_ms": 215.0}, {"take_throughput": "UNDER"}),
+    ({"taken_fails": True}, {"take_throughput": "FAIL", "completed": "FAIL"}),
+    # no hand-written split fits: nothing to judge the throughputs against
+    ({"splits_fit": False}, {"throughput": "-", "take_throughput": "-"}),
+])
+def test_gpu_pressure_summary_fails_each_missed_target(made_up: dict, want: dict) -> None:
+    """A made-up run that misses one target: that verdict, and only that one,
+    says so."""
+    bench = bench_module("bench_gpu_pressure")
+    lines, data, _ = bench.summarize(_gpu_runs(**made_up))
+    assert data["verdict"] == dict({k: "PASS" for k in data["verdict"]}, **want), lines
+    if made_up.get("whole_after", 1) is None:
+        assert "never the whole batch after the rise" in "\n".join(lines)
+
+
+def test_gpu_pressure_holder_holds_what_it_is_told() -> None:
+    """The holder process over its pipe, on a made-up 8 GiB device: it holds
+    so that the free memory is what it is told (more, less, within its
+    tolerance), gives everything back, and stops where it holds nothing."""
+    benchlib = bench_module("benchlib")
+    bench = bench_module("bench_gpu_pressure")
+    gib, tol = 1 << 30, 32 << 20
+    with benchlib.Worker(bench.__file__, ["holder", f"fake:{8 * gib}"]) as w:
+        for free in (3 * gib, gib, int(6.5 * gib), 5 * gib + 12345):
+            r = w.call("hold", free=free)
+            assert abs(r["free"] - free) <= tol and r["held"] == 8 * gib - r["free"], (free, r)
+        assert w.call("release") == {"free": 8 * gib, "held": 0}
+        assert w.call("hold", free=9 * gib) == {"free": 8 * gib, "held": 0, "target": 9 * gib}
+        assert w.call("free") == {"free": 8 * gib, "held": 0}

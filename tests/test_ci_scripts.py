@@ -41,13 +41,16 @@ def test_gpu_script_passes_when_every_step_passes(tmp_path):
     rc, calls = _run_gpu_script(tmp_path, fail_on="")
     assert rc == 0
     assert sum("bench_cuda.py" in c for c in calls) == 2
+    assert sum("bench_gpu_pressure.py" in c and "--bench-quick" in c for c in calls) == 1
 
 
-@pytest.mark.parametrize("fail_on", ["tests/test_cuda.py", "--bench-cuda-amp", "-m memguard doctor"])
+@pytest.mark.parametrize("fail_on", ["tests/test_cuda.py", "--bench-cuda-amp", "-m memguard doctor",
+                                     "bench_gpu_pressure.py"])
 def test_gpu_script_fails_when_a_step_fails_and_still_runs_the_benchmarks(tmp_path, fail_on):
     rc, calls = _run_gpu_script(tmp_path, fail_on=fail_on)
     assert rc != 0
     assert sum("bench_cuda.py" in c for c in calls) == 2, calls
+    assert sum("bench_gpu_pressure.py" in c for c in calls) == 1, calls
 
 
 def test_gpu_script_stops_when_the_build_fails(tmp_path):

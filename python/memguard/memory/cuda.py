@@ -273,6 +273,7 @@ class Governor:
         self._allocator: str | None = None   # resolved at install
         self.ooms_observed: list[dict[str, int]] = []
         self._model: Any = None
+        self._reading: dict[str, Any] | None = None   # within a push: what it read
         self.last: dict[str, Any] | None = None
         self.level = Level.OK
 
@@ -365,6 +366,9 @@ class Governor:
             return 0
 
     def _info(self) -> tuple[int, int]:
+        return self._read("info", self._read_info)
+
+    def _read_info(self) -> tuple[int, int]:
         if self._mem_get_info is not None:
             return self._mem_get_info(self.device)
         torch = _torch()
@@ -372,11 +376,29 @@ class Governor:
         return int(free), int(total)
 
     def _stats(self) -> Mapping[str, Any]:
+        return self._read("stats", self._read_stats)
+
+    def _read_stats(self) -> Mapping[str, Any]:
         if self._memory_stats is not None:
             return self._memory_stats(self.device)
         if self.allocator == "memguard":
             return _C.cuda_stats(self.device)
         return _torch().cuda.memory_stats(self.device)
+
+    def _read(self, what: str, read: Callable[[], Any]) -> Any:
+        """A counter source read once per push: ``memory_stats()`` builds
+        the allocator's whole dictionary, ``mem_get_info()`` asks the driver."""
+        if self._reading is None:
+            return read()
+        if what not in self._reading:
+            self._reading[what] = read()
+        return self._reading[what]
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the counters come from given callables (a recorded
+        trace), not from the device itself."""
+        return self._memory_stats is not None
 
     def counters(self) -> dict[str, Any]:
         """The counters a push hands the sampler."""
@@ -391,12 +413,21 @@ class Governor:
     def push(self) -> Level:
         """Read the counters and hand them to the sampler (at a step
         boundary). Returns the level of the CUDA signals; without a sampler
-        it is judged by the same C model through a private one."""
+        it is judged by the same C model through a private one.
+
+        A push reads ``memory_stats()`` once and ``mem_get_info()`` once:
+        the live budget and the counters share the reading, and
+        :attr:`last` keeps it for the rest of the boundary (the step's peak
+        meter starts from it)."""
         if not self._installed:
             self.install()
-        if self._live:
-            self._follow_device()
-        c = self.counters()
+        self._reading = {}
+        try:
+            if self._live:
+                self._follow_device()
+            c = self.counters()
+        finally:
+            self._reading = None
         sampler = self.sampler if self.sampler is not None else self._model_sampler()
         self.level = sampler.push_cuda(c)
         self.last = c

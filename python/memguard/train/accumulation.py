@@ -80,6 +80,7 @@ class Accumulator:
         self.micro_batches = 0
         self._normalized = False
         self._loss: torch.Tensor | None = None  # weighted loss sum, detached
+        self._value: float | None = None        # :attr:`loss`, once read from the device
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -114,6 +115,7 @@ class Accumulator:
         self.micro_batches += 1
         term = loss.detach().float() * w
         self._loss = term if self._loss is None else self._loss + term
+        self._value = None
 
     def close_weights(self, last_weight: Any) -> None:
         """Before the last micro-batch's backward, once every weight is known:
@@ -140,14 +142,20 @@ class Accumulator:
         self.total_weight = None
         self.weight = 1.0
         self.micro_batches += micro_batches
-        self._loss = torch.tensor(float(loss))
+        self._loss = None
+        self._value = float(loss)
 
     @property
     def loss(self) -> float:
-        """The step's mean loss so far (weighted like its gradients)."""
-        if self._loss is None or self.weight == 0:
-            return float("nan")
-        return float(self._loss) / self.weight
+        """The step's mean loss so far (weighted like its gradients): read
+        from the device once after the last backward (the one wait for the
+        device a step needs, as the plain loop's ``loss.item()``), then
+        kept until another micro-batch is added."""
+        if self._value is None:
+            if self._loss is None or self.weight == 0:
+                return float("nan")
+            self._value = float(self._loss) / self.weight
+        return self._value
 
     def reset(self) -> None:
         """Forget the accumulated micro-batches and their gradients."""
@@ -156,6 +164,7 @@ class Accumulator:
         self.micro_batches = 0
         self._normalized = False
         self._loss = None
+        self._value = None
 
     def normalize(self) -> None:
         """Divide the summed gradients by the summed weights (once; with a

@@ -46,7 +46,9 @@ class Boundary:
         self.overruns.check()
         level = self.signals.boundary_level()   # first: it pushes the last step's CUDA peaks
         self._follow_room(level, step)
-        self.floor = self.peak.start(batch)
+        # the push's reading, unless a relief (HIGH) freed memory since
+        pushed = self.signals.cuda_pushed if level < Level.HIGH else None
+        self.floor = self.peak.start(batch, pushed)
         self.sync_budget(budget)
         begun = self.planner.begin(n, level, peers, step)
         # only a calm step is the plan's own time (pressure, swap and

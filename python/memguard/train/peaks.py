@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 from memguard import _C
@@ -150,34 +151,55 @@ class PeakMeter:
     after; :attr:`source` says where the figure came from ("arena", "cuda",
     "rss", "footprint" on macOS, or "none" before the first step).
 
+    A CUDA device's counters are read once per reading (one
+    ``memory_stats()``, which ``torch.cuda.memory_allocated`` and
+    ``max_memory_allocated`` each rebuild whole), and not at all where a
+    reading just taken is handed over: the governor's push at :meth:`start`,
+    the update's room at :meth:`now`, the reading after the update at
+    :meth:`stop`.
+
     Args:
         arena_key: the arena counter read as the peak (the finder reads
             ``requested_bytes.peak``, the guard the blocks it holds).
+        cuda_stats: reads a CUDA device's counters by ordinal, as
+            :func:`memguard.memory.cuda.stats` (the default) gives them;
+            tests count readings through it.
     """
 
-    def __init__(self, arena_key: str = "allocated_bytes.peak") -> None:
+    def __init__(self, arena_key: str = "allocated_bytes.peak",
+                 cuda_stats: Callable[[int], Mapping[str, int]] | None = None) -> None:
         self.source = "none"
         self._arena_key = arena_key
         self._rss = process_peak()
+        self._cuda_stats = cuda_stats
         self._device: Any = None
         self._index = 0
         self._memguard_cuda = False
         self._mark: int | None = None   # the process's high-water mark at start()
         self._floor = 0
+        self._settled: tuple[int, int] | None = None   # the step's last reading (now(settled=))
         #: whether :meth:`stop`'s figure is the step's own peak, not a bound
         self.exact = True
 
-    def start(self, batch: Any) -> int:
+    def start(self, batch: Any, pushed: Mapping[str, int] | None = None) -> int:
         """Mark the start of a step over ``batch``; returns what the source
         holds now (the floor the step starts from; 0 where unknown). The
         process's own peak counters (``VmHWM``, ``ru_maxrss``,
         ``torch.cuda.max_memory_allocated``) are read, never reset: the
-        user's readings of them stay true."""
+        user's readings of them stay true.
+
+        Args:
+            batch: the step's batch: its first tensor's device decides.
+            pushed: the CUDA counters the governor pushed at this boundary
+                (:meth:`memguard.memory.cuda.Governor.counters`), read
+                instead of the device's where they are of its device.
+        """
         from memguard.train.batch import leaves  # torch: loaded once a step runs
 
+        self._settled = None
         first = next((x for x in leaves(batch) if hasattr(x, "is_cuda")), None)
         if first is not None and first.is_cuda:   # the first tensor's device decides
-            return self._start_cuda(first.device)
+            return self.start_cuda(first.device, pushed)
         if arena.installed():
             self.source = "arena"
             _C.arena_reset_peaks()               # memguard's own counters
@@ -193,37 +215,72 @@ class PeakMeter:
         self._floor = now or 0
         return self._floor
 
-    def _start_cuda(self, device: Any) -> int:
-        torch = sys.modules["torch"]
+    def start_cuda(self, device: Any, pushed: Mapping[str, int] | None = None) -> int:
+        """:meth:`start` for a step on the CUDA ``device`` (a ``torch.device``)."""
+        self._settled = None
         self.source = "cuda"
         self._device = device
-        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._index = device.index if device.index is not None else \
+            sys.modules["torch"].cuda.current_device()
         self._memguard_cuda = _C.cuda_backend() is not None
         if self._memguard_cuda:   # torch's own counters do not work then
             _C.cuda_reset_peaks(self._index)
             return int(_C.cuda_stats(self._index)["allocated_bytes.current"])
-        self._mark = int(torch.cuda.max_memory_allocated(device))
-        self._floor = int(torch.cuda.memory_allocated(device))
+        if pushed is not None and pushed.get("device") == self._index:
+            self._floor, self._mark = int(pushed["allocated_bytes"]), \
+                int(pushed["allocated_peak_bytes"])
+        else:
+            self._floor, self._mark = self._read_cuda()
         return self._floor
 
-    def now(self) -> tuple[int, int] | None:
+    def measures(self, device: Any) -> bool:
+        """Whether this step's readings count the memory of tensors on
+        ``device`` (a CPU batch may feed a model on a GPU, or on another
+        GPU)."""
+        if device.type != "cuda":
+            return self.source == "arena"
+        index = device.index if device.index is not None else \
+            sys.modules["torch"].cuda.current_device()
+        return self.source == "cuda" and index == self._index
+
+    def _read_cuda(self, stats: Mapping[str, int] | None = None) -> tuple[int, int]:
+        """(allocated, its peak) on the step's CUDA device, from ``stats``
+        where given, else from one reading."""
+        if stats is None:
+            if self._cuda_stats is not None:
+                stats = self._cuda_stats(self._index)
+            else:
+                from memguard.memory import cuda
+
+                stats = cuda.stats(self._index)
+        return int(stats["allocated_bytes.current"]), int(stats["allocated_bytes.peak"])
+
+    def now(self, stats: Mapping[str, int] | None = None,
+            settled: bool = False) -> tuple[int, int] | None:
         """(what the source holds now, its peak) where the source counts
         tensors (the arena, a CUDA device), else ``None``. Nothing is reset:
         a part of the step measured between two readings is known exactly
         when it raised the peak. (With PyTorch's CUDA allocator the peak is
         the process's, since torch's counters are not reset: a rise is
-        still the part's own.)"""
+        still the part's own.)
+
+        Args:
+            stats: the step's CUDA device's counters just read
+                (:func:`memguard.memory.cuda.stats`), used instead of
+                reading them again.
+            settled: nothing of the step allocates after this reading:
+                :meth:`stop` takes it instead of reading again.
+        """
         if self.source == "arena":
             st = _C.arena_stats()
-            return int(st[self._arena_key.replace(".peak", ".current")]), int(st[self._arena_key])
-        if self.source != "cuda":
+            out = int(st[self._arena_key.replace(".peak", ".current")]), int(st[self._arena_key])
+        elif self.source == "cuda":
+            out = self._read_cuda(stats)
+        else:
             return None
-        if self._memguard_cuda:
-            st = _C.cuda_stats(self._index)
-            return int(st["allocated_bytes.current"]), int(st["allocated_bytes.peak"])
-        torch = sys.modules["torch"]
-        return int(torch.cuda.memory_allocated(self._device)), \
-            int(torch.cuda.max_memory_allocated(self._device))
+        if settled:
+            self._settled = out
+        return out
 
     def stop(self) -> int:
         """The peak since :meth:`start` (0 where unknown). Where the
@@ -233,13 +290,12 @@ class PeakMeter:
         the most the step was seen to hold, at its start or end, a lower
         bound that the planner does not learn from."""
         self.exact = True
-        if self.source == "cuda":
-            if self._memguard_cuda:
-                return int(_C.cuda_stats(self._index)["allocated_bytes.peak"])
-            now, mark = self.now() or (0, 0)
-            return self._beyond_mark(now, mark)
-        if self.source == "arena":
-            return int(_C.arena_stats()[self._arena_key])
+        settled, self._settled = self._settled, None
+        if self.source in ("cuda", "arena"):
+            now, peak = settled or self.now() or (0, 0)
+            if self.source == "arena" or self._memguard_cuda:   # reset at start()
+                return peak
+            return self._beyond_mark(now, peak)
         if self.source == "rss":
             now, mark = self._rss.read()
             return self._beyond_mark(now or 0, mark)

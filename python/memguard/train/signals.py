@@ -48,6 +48,9 @@ class Signals:
         #: the device governor in use: CUDA's (None until CUDA is), or the MPS one given
         self.governor: Governor | MpsGovernor | None = None
         self._own_governor = False
+        #: the CUDA counters pushed at this boundary, read from the device
+        #: itself (``None``: none were): the step's peak meter starts from them
+        self.cuda_pushed: dict[str, Any] | None = None
         self._running = False
         self._lock = threading.Lock()   # guards the four fields below
         self._max_raw = Level.OK        # highest raw level since the last boundary
@@ -199,14 +202,19 @@ class Signals:
     def _cuda_level(self) -> int:
         """Push the device's counters: the level of the CUDA signals. The
         governor starts once CUDA is in use."""
+        self.cuda_pushed = None
         if self.governor is None:
             torch = sys.modules.get("torch")
             if self._config.cuda is not None or not self._running or torch is None \
                     or not torch.cuda.is_initialized():
                 return Level.OK
             self._start_governor()
-        assert self.governor is not None
-        return int(self.governor.push())
+        gov = self.governor
+        assert gov is not None
+        level = int(gov.push())
+        if isinstance(gov, Governor) and not gov.replayed:
+            self.cuda_pushed = gov.last
+        return level
 
     def _start_governor(self) -> None:
         """The governor given, or a new one for the configured budget."""

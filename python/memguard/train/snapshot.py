@@ -71,14 +71,15 @@ class Snapshot:
     def changed(self) -> list[str]:
         """Names of watched buffers that differ from what they were, in
         value or in identity (reassigned)."""
-        out = []
+        changed: list = []
         with torch.no_grad():
             for i in self._watched:
-                m, bname, name, b, saved = self._buffers[i]
+                m, bname, _, b, saved = self._buffers[i]
                 now = m._buffers.get(bname)
-                if now is not b or now.shape != saved.shape or not torch.equal(now, saved):
-                    out.append(name)
-        return out
+                same = now is b and now.shape == saved.shape
+                changed.append((now != saved).any() if same else True)
+            changed = _read_flags(changed)
+        return [self._buffers[i][2] for i, f in zip(self._watched, changed) if f]
 
     def restore(self) -> None:
         """Everything as it was when the snapshot was taken (allocating
@@ -94,6 +95,23 @@ class Snapshot:
                 else:
                     obj.load_state_dict(copy.deepcopy(saved))
         self.rng.restore()
+
+
+def _read_flags(flags: list) -> list[bool]:
+    """Bools from bools and 0-d bool tensors, read from each device once
+    (whether any is set), not once per tensor as ``torch.equal`` would;
+    each flag apart only where one is set."""
+    out = [f if isinstance(f, bool) else False for f in flags]
+    by_device: dict[torch.device, list[int]] = {}
+    for k, f in enumerate(flags):
+        if not isinstance(f, bool):
+            by_device.setdefault(f.device, []).append(k)
+    for ks in by_device.values():
+        stacked = torch.stack([flags[k] for k in ks])
+        if stacked.any().item():
+            for k, f in zip(ks, stacked.tolist()):
+                out[k] = bool(f)
+    return out
 
 
 def _copy_back(t: torch.Tensor, saved: torch.Tensor) -> None:

@@ -265,8 +265,8 @@ class Transaction:
         step = g.steps
         g.steps += 1                       # first: the count agrees with the commit
         plan = g.planner.state() if self.tried else begun["plan"]   # the OOM's decision
+        peak = g.boundary.end(self.micro, self.a.n)  # before the aux is joined: the update's reading holds
         aux = _batch.concat(self.aux) if self.aux else None
-        peak = g.boundary.end(self.micro, self.a.n)
         g.peak_bytes = max(g.peak_bytes, peak)
         g.last = StepResult(loss=loss, micro_batch=self.micro, n_micro=self._n_micro,
                             retries=len(self.tried), peak_bytes=peak, aux=aux,
@@ -292,11 +292,16 @@ class Transaction:
     def _commit(self) -> float:
         """The step's update: a finite loss (without a scaler: with one, the
         scaler skips non-finite steps itself), the hook and clipping, then
-        the optimizer step as all or nothing. Returns the step's loss."""
+        the optimizer step as all or nothing. Returns the step's loss.
+
+        The loss is read from the device here, once, after the last
+        backward: the check and the result share that read, and the
+        update is not waited for (the next step's boundary overlaps it)."""
         acc = self.acc
         self._n_micro, self._weight = acc.micro_batches, acc.weight
+        loss = acc.loss
         if acc.scaler is None:
-            check_finite(acc.loss)
+            check_finite(loss)
         acc.prepare()
         return optimizer_step(self.a.optimizer, acc.apply, self._relieve_for_update,
                               need=self.g.update_need, meter=self.g.boundary.peak,

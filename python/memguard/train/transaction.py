@@ -152,15 +152,19 @@ def footprint(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     return total, state
 
 
-def _room(params: list[torch.Tensor]) -> tuple[int, int] | None:
+def _room(params: list[torch.Tensor],
+          stats: dict[str, int] | None = None) -> tuple[int, int] | None:
     """(bytes the next allocations can surely take, bytes they could take
     at most) where an out-of-memory error can happen, ``None`` where none
     is expected (no budget to pass). Under the arena the two differ by its
-    free slab blocks: reusable by allocations of their own size class only."""
+    free slab blocks: reusable by allocations of their own size class only.
+    ``stats``: the CUDA device's counters just read (:func:`_device_stats`)."""
     if params and params[0].is_cuda:
         dev = params[0].device
         free, _ = sys.modules["torch"].cuda.mem_get_info(dev)
-        room = device_room(free, cuda.stats(dev))  # torch's counters fail under memguard's
+        if stats is None:
+            stats = cuda.stats(dev)  # torch's counters fail under memguard's allocator
+        room = device_room(free, stats)
         return room, room
     if not arena.installed():
         return None
@@ -349,7 +353,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
             before the second try).
         need: the guard's record of what updates allocate (learnt here).
         meter: the step's :class:`~memguard.train.peaks.PeakMeter`, read
-            before and after the update to measure it.
+            before and after the update to measure it; the reading after
+            it is the step's last (:meth:`~memguard.train.peaks.PeakMeter.stop`
+            takes it).
         scaler: the AMP scaler ``apply`` steps through.
 
     Raises:
@@ -363,15 +369,18 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
     meter = meter if meter is not None and _measures(meter, params) else None
     for attempt in range(2):
         needed, state, measured = need.of(optimizer, params)
-        room = _room(params)
+        stats = _device_stats(params)   # one reading: the room's and the meter's
+        room = _room(params, stats)
         if not attempt and room is not None and room[1] < needed:   # even counting all
             relieve()
-            room = _room(params)
+            stats = _device_stats(params)
+            room = _room(params, stats)
         if measured and room is not None and room[1] < needed:   # it cannot fit: never begin
             raise OptimizerOOMError(needed, state, *_held(params), room[1], rolled_back=True,
                                     begun=False)
         undo = _undo_for(optimizer, params, scaler, needed, room and room[0])
-        before = meter.now() if meter is not None else None
+        # a backup allocated since the reading: read again
+        before = meter.now(None if undo.backed_up else stats) if meter is not None else None
         try:
             loss = apply()
         except BaseException as exc:
@@ -391,8 +400,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
                 raise OptimizerOOMError(needed, state, *_held(params), room and room[0], undone,
                                         why) from exc
         else:
-            after = meter.now() if before is not None and not undo.fresh else None
-            if after is not None and after[1] > before[1]:   # its own peak: exact
+            after = meter.now(settled=True) if before is not None else None
+            if after is not None and not undo.fresh and after[1] > before[1]:   # its own peak
                 need.learn(optimizer, params, after[1] - before[0])
             return loss
         relieve()
@@ -402,7 +411,13 @@ def optimizer_step(optimizer: torch.optim.Optimizer, apply: Callable[[], float],
 def _measures(meter: Any, params: list[torch.Tensor]) -> bool:
     """Whether the step's peak meter counts the memory the parameters live
     in (a CPU batch may feed a model on a GPU)."""
-    return bool(params) and meter.source == ("cuda" if params[0].is_cuda else "arena")
+    return bool(params) and meter.measures(params[0].device)
+
+
+def _device_stats(params: list[torch.Tensor]) -> dict[str, int] | None:
+    """One reading of the counters of the CUDA device the parameters live
+    on (:func:`memguard.memory.cuda.stats`); ``None`` off CUDA."""
+    return cuda.stats(params[0].device) if params and params[0].is_cuda else None
 
 
 def _undo_for(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], scaler: Any,
