@@ -15,7 +15,8 @@ Here the same loop runs inside a memguard budget:
   micro-batches when it does not fit, with the gradients of the whole batch
   in one optimizer step, so the effective batch stays the script's;
 - validation runs under ``guard.evaluate()`` and ``guard.infer``: no graph,
-  micro-batches of the size training found, predictions detached, and the
+  micro-batches of inference's own plan (with no graph, more samples fit
+  than in a training micro-batch), predictions detached, and the
   memory released when it ends. The arena's peak during each validation is
   recorded to show it stays flat however many predictions have been kept.
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         val_held.append(memguard.stats()["allocated_bytes.current"] - before)
         val_counts.append(len(pred))
         val_mse.append(nn.functional.mse_loss(pred, val_y).item())
-        val_micro.append(guard.micro_batch)
+        val_micro.append(guard.summary()["infer_micro_batch"])
         del preds, pred
         model.train()
 

@@ -578,7 +578,8 @@ def test_infer_shrinks_and_goes_on(k):
         assert guard.gc.stats.reliefs == reliefs + 1  # the one after evaluate
     else:
         assert sizes == [8] * k + [4] * ((BATCH - 8 * k) // 4)
-        assert guard.micro_batch == 4 and guard.ooms_recovered == 1
+        assert guard.inference.micro == 4 and guard.ooms_recovered == 1
+        assert guard.micro_batch == 8      # the training plan is apart
         assert guard.gc.stats.reliefs == reliefs + 2  # the OOM's and the one after evaluate
         assert calls[0] == len(done) + 1
 

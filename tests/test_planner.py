@@ -321,19 +321,18 @@ def test_planner_trace_says_what_it_claims():
     assert why[8] == why[9] == ("hold", "elevated")
     # pressure where the model says the size fits the room: held
     assert (sizes[10], why[10]) == (16, ("hold", "fits"))
-    # the room falls: one decision to the largest size that fits,
-    # (0.9 * 5 GiB - 3 GiB) / 160 MiB = 9.6: 8
-    assert (sizes[11], why[11]) == (8, ("shrink", "room"))
-    assert (sizes[12], why[12]) == (8, ("hold", "fits"))
+    # the room falls: one decision to the largest size that fits, under a
+    # margin still wide from step 4's error (the model said 32 fits):
+    # (0.77 * 5 GiB - 3 GiB) / 160 MiB = 5.3, and 4 is even
+    assert (sizes[11], why[11]) == (4, ("shrink", "room"))
+    assert (sizes[12], why[12]) == (4, ("hold", "fits"))
     assert (sizes[13], why[13]) == (2, ("shrink", "high"))   # nothing fits: the smallest
     assert steps[14]["expect"][1]["next"] is None and steps[14]["peak_bytes"] is None
-    # 12 calm steps before passing the failed size 2, then back to the
-    # whole batch at once (the room is 16 GiB again)
-    grown = 16 + opts["retry_after"] - 1           # the 12th calm step
-    assert sizes[15:grown] == [2] * (grown - 15)
-    assert all(w == ("hold", "failed") for w in why[16 + opts["grow_after"] - 1:grown])
-    assert (sizes[grown], why[grown]) == (32, ("grow", "grow"))
-    assert why[grown + 1:40] == [("hold", "at_full")] * (40 - grown - 1)
+    # the room back at 16 GiB, five times the room 2 failed in: the ceiling
+    # goes, and the whole batch at once, without calm steps
+    assert steps[15]["budget_bytes"] >= 1.25 * steps[13]["budget_bytes"]
+    assert (sizes[15], why[15]) == (32, ("grow", "room_back"))
+    assert why[16:40] == [("hold", "at_full")] * 24
     # the room falls to 8 GiB at the full batch: 26 fits, 16 balances two
     assert (sizes[40], why[40]) == (16, ("shrink", "room"))
     assert (sizes[41], why[41]) == (16, ("hold", "fits"))
@@ -418,16 +417,29 @@ def test_binding_basics():
     assert p.begin(32, 0) == 32
     assert set(p.state()) == {"micro", "full", "failed", "step", "calm", "calm_since_fail",
                               "ooms", "decision_step", "action", "reason", "from", "to",
-                              "budget_bytes"}
+                              "budget_bytes", "failed_room", "ran", "margin"}
+    assert p.state()["margin"] == 0.03
     p.end(32, 3 * GiB)
     assert p.predict(16) == pytest.approx(1.5 * GiB, rel=1e-9)  # proportional, one size
+    assert p.state()["ran"] == 32
+    # the time model: once a step is timed, in the state too
+    assert p.predict_time(32) is None
+    p.time(32, 32, 0.5)
+    p.time(16, 32, 0.7)
+    assert p.predict_time(8) == pytest.approx(0.5 + 3 * 0.2)
+    st_ = p.state()
+    assert st_["time_per_micro_s"] == pytest.approx(0.2)
+    assert st_["time_base_s"] == pytest.approx(0.3)
+    p.set_align(8)
+    with pytest.raises(OverflowError):
+        p.set_align(-1)
     with pytest.raises(ValueError, match="multiple_of=3, divisor_of=64"):
         _C.Planner(multiple_of=3, divisor_of=64)
     for bad in ({"min_micro": 0}, {"multiple_of": 0}, {"margin": 1.0}, {"margin": -0.5},
                 {"decay": 0.0}, {"grow_after": 0}):
         with pytest.raises(ValueError, match="invalid planner options") as e:
             _C.Planner(**bad)
-        assert "%g" not in str(e.value) and f"margin {bad.get('margin', 0.1):g} " in str(e.value)
+        assert "%g" not in str(e.value) and f"margin {bad.get('margin', 0.03):g} " in str(e.value)
     with pytest.raises(TypeError):
         _C.Planner(8)  # keyword-only
 
@@ -466,3 +478,72 @@ def test_a_real_runs_decisions_replay_through_the_planner():
     back = sizes.index(32, first)
     assert why[back] == "room_back" and steps[back]["planner_budget_bytes"] > 4000 * 2**20
     assert steps[back - 1]["planner_budget_bytes"] < 2200 * 2**20
+
+
+# -- the GPU story, from its published figures --------------------------------
+# ViT-B/16 (transformers), batch 256 at 224 px, AdamW, bf16 autocast, on an
+# H200 with 8 GiB free: 64 peaked at 6.23 GiB, 86 % of the room; the whole
+# batch at 19.4 GiB. A line through both: 1.84 GiB held as a step begins and
+# 70 MiB a sample. (Figures measured with memguard's guard; the planner's
+# inputs below are built from them, not recorded: no GPU recorded this.)
+VIT_B16_ROOM = int(6.23 * GiB / 0.86)
+
+
+def _vit_b16_peak(micro: int) -> int:
+    return int(1.84 * GiB + micro * (19.4 - 6.23) / 192 * GiB)
+
+
+def _vit_b16_run(p, rooms, fits=lambda micro, room: _vit_b16_peak(micro) <= room):
+    """Steps of 256 through planner ``p``: ``rooms[i]`` is step i's room;
+    a size whose peak does not fit the room runs out of memory. Returns the
+    sizes the steps ran at, and the sizes that failed, step by step."""
+    sizes, failed = [], []
+    for room in rooms:
+        p.set_budget(room)
+        micro = p.begin(256, int(Level.OK))
+        failed.append([])
+        while not fits(micro, room):
+            failed[-1].append(micro)
+            micro = p.oom(micro)
+            assert micro, "gave up"
+        p.end(micro, _vit_b16_peak(micro), int(1.84 * GiB))
+        p.time(micro, 256, 0.03 + 0.0225 * -(-256 // micro))   # 4 x 64: 0.12 s
+        sizes.append(micro)
+    return sizes, failed
+
+
+def test_the_gpu_storys_planner_keeps_the_size_that_fits_and_lifts_at_once():
+    """Under a small card the plan settles at 64 (four micro-batches), the
+    size that ran, where the old planner (a 90 % budget under a fixed 10 %
+    margin) left it for 52 (five); when the card frees, the whole batch at
+    the first boundary that sees it, although 128 and 256 failed at step 0;
+    when another process takes the memory again, straight back to 64."""
+    rooms = [VIT_B16_ROOM] * 10 + [100 * GiB] * 5 + [VIT_B16_ROOM] * 5
+    p = _C.Planner(align=8)
+    sizes, failed = _vit_b16_run(p, rooms)
+    assert failed[0] == [256, 128] and not any(failed[1:])
+    assert sizes[:10] == [64] * 10
+    assert sizes[10:15] == [256] * 5
+    assert sizes[15:] == [64] * 5
+    st_ = p.state()
+    assert st_["time_per_micro_s"] == pytest.approx(0.0225)
+    assert p.predict_time(52) > 1.15 * p.predict_time(64)
+    # a 90 % room under a fixed 10 % margin, the old rule: 52 from step 1
+    old, _ = _vit_b16_run(_C.Planner(margin=0.1, decay=1e-9), [int(0.9 * r) for r in rooms])
+    assert old[1:10] == [52] * 9
+
+
+def test_the_gpu_storys_failed_grow_goes_back_to_the_size_that_ran():
+    """``cuda_budget=None``: the planner's room is the whole device, whose
+    free memory another process holds. 128 failed at step 0; growth, after
+    calm steps, tries 86 (below the failed 128), which runs out of memory:
+    the step is redone at 64, which ran, not at 43, and 86 waits."""
+    device = 141 * GiB
+    p = _C.Planner(grow_after=8)
+    sizes, failed = _vit_b16_run(p, [device] * 40,
+                                 fits=lambda micro, room: _vit_b16_peak(micro) <= VIT_B16_ROOM)
+    assert failed[0] == [256, 128]
+    grew = next(i for i, f in enumerate(failed) if f == [86])
+    assert grew == 8 and not any(failed[1:grew] + failed[grew + 1:])   # after 8 calm steps
+    assert sizes == [64] * 40
+    assert p.state()["failed"] == 86

@@ -1,6 +1,7 @@
 /* The micro-batch planner (see memguard-planner.h): pure arithmetic on its
  * own struct, so tests replay recorded traces through exactly this code. */
 #include <errno.h>
+#include <math.h>
 #include <string.h>
 
 #include "memguard/memguard-planner.h"
@@ -10,10 +11,11 @@ void mg_planner_opts_default(mg_planner_opts_t *o)
     memset(o, 0, sizeof(*o));
     o->min_micro = 1;
     o->multiple_of = 1;
-    o->margin = 0.1;
+    o->margin = 0.03;
     o->decay = 0.98;
     o->grow_after = 8;
     o->retry_after = 64;
+    o->align = 1;
 }
 
 static int allowed(const mg_planner_opts_t *o, uint64_t s)
@@ -45,6 +47,7 @@ int mg_planner_init(mg_planner_t *p, const mg_planner_opts_t *o, uint64_t micro)
         return rc;
     memset(p, 0, sizeof(*p));
     p->opts = *o;
+    p->margin = o->margin;
     if (micro && !allowed(o, micro)) { /* no batch seen yet: the constraints alone */
         uint64_t s;
         micro = mg_planner_fit(p, micro, &s) == 0 ? s : next_up(p, micro);
@@ -149,6 +152,19 @@ static uint64_t next_up(const mg_planner_t *p, uint64_t x)
     return s < cap ? s : cap;
 }
 
+/* @p s rounded up to a multiple of opts.align when that is allowed, at
+ * most @p lim, and still @p k micro-batches of the full batch; else @p s. */
+static uint64_t aligned(const mg_planner_t *p, uint64_t s, uint64_t lim, uint64_t k)
+{
+    uint64_t al = p->opts.align;
+    if (al <= 1 || s % al == 0)
+        return s;
+    uint64_t up = s + (al - s % al);
+    if (up > lim || !allowed(&p->opts, up) || (p->full + up - 1) / up != k)
+        return s;
+    return up;
+}
+
 /* Allowed size at most @p target that splits the full batch into as few
  * micro-batches as target would, and as evenly: 31 of 32 still takes two
  * micro-batches, and two of 16 hold less at their peak. */
@@ -160,8 +176,9 @@ static int balanced(const mg_planner_t *p, uint64_t target, uint64_t *size)
     if (p->full > s) {
         /* the smallest allowed size that still takes k micro-batches: one
          * of full/k or more; s itself is such a size */
-        uint64_t k = (p->full + s - 1) / s;
+        uint64_t k = (p->full + s - 1) / s, lim = s;
         s = next_up(p, (p->full + k - 1) / k - 1);
+        s = aligned(p, s, lim, k);
     }
     *size = s;
     return 0;
@@ -173,7 +190,7 @@ int mg_planner_room_fit(const mg_planner_t *p, uint64_t *size)
     double a, b;
     if (!o->budget_bytes || model(p, &a, &b) || b <= 0.0)
         return ENODATA;
-    double room = (double)o->budget_bytes * (1.0 - o->margin) - a;
+    double room = (double)o->budget_bytes * (1.0 - p->margin) - a;
     double x = room <= 0.0 ? 0.0 : room / b;
     uint64_t s;
     if (x >= 1.8e19)
@@ -187,6 +204,39 @@ int mg_planner_room_fit(const mg_planner_t *p, uint64_t *size)
 void mg_planner_set_budget(mg_planner_t *p, uint64_t budget_bytes)
 {
     p->opts.budget_bytes = budget_bytes;
+}
+
+void mg_planner_set_align(mg_planner_t *p, uint64_t align)
+{
+    p->opts.align = align ? align : 1;
+}
+
+/* The margin from what the model has seen: twice its root-mean-square
+ * error as a share of the room, at least opts.margin, plus what
+ * out-of-memory errors added; at most a half. */
+static void remargin(mg_planner_t *p)
+{
+    double learnt = p->sew > 0.0 ? 2.0 * sqrt(p->se / p->sew) : 0.0;
+    double m = (learnt > p->opts.margin ? learnt : p->opts.margin) + p->boost;
+    p->margin = m < 0.5 ? m : 0.5;
+}
+
+/* An out-of-memory error at @p micro: where the model said it fits, the
+ * margin widens by what it under-predicted at least (the peak passed the
+ * room): never by less than opts.margin, nor by more than a quarter of the
+ * room at once (one batch far above the others, a long sequence, is not
+ * the model's error; the failed size's ceiling keeps it from recurring). */
+static void widen(mg_planner_t *p, uint64_t micro)
+{
+    uint64_t pred;
+    double room = (double)p->opts.budget_bytes;
+    if (room <= 0.0 || mg_planner_predict(p, micro, &pred) ||
+        (double)pred > room * (1.0 - p->margin))
+        return;
+    double under = (room - (double)pred) / room;
+    under = under > 0.25 ? 0.25 : under;
+    p->boost += under > p->opts.margin ? under : p->opts.margin;
+    remargin(p);
 }
 
 /* Shrink towards @p target; 0, or ENOMEM when nothing smaller is allowed. */
@@ -266,6 +316,29 @@ static void under_pressure(mg_planner_t *p, int level)
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_AT_MIN, p->micro);
 }
 
+/* A size that failed caps growth only while the room is below a quarter
+ * above the room it failed in; then the model decides. */
+static void lift_ceiling(mg_planner_t *p)
+{
+    if (p->failed && p->failed_room &&
+        (double)p->opts.budget_bytes >= 1.25 * (double)p->failed_room) {
+        p->failed = 0;
+        p->failed_room = 0;
+        p->calm_since_fail = 0;
+        p->retried = 0;
+        p->retries = 0;
+    }
+}
+
+/* Calm steps before a failed size is tried again in the same room (a
+ * one-off spike, a long sequence, must not split the run for good):
+ * retry_after, doubled each time the size retried fails again. */
+static uint64_t retry_wait(const mg_planner_t *p)
+{
+    uint32_t n = p->retries < 16 ? p->retries : 16;
+    return (uint64_t)p->opts.retry_after << n;
+}
+
 int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro)
 {
     if (batch == 0)
@@ -279,6 +352,9 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         if (p->full && p->micro >= p->full && !p->opts.fixed) {
             p->micro = batch;
             p->failed = 0;
+            p->failed_room = 0;
+            p->retried = 0;
+            p->retries = 0;
             p->calm = 0;
         }
         p->full = batch;
@@ -294,6 +370,7 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         p->micro = mg_planner_fit(p, p->micro, &s) == 0 ? s : next_up(p, p->micro);
     }
 
+    lift_ceiling(p);
     uint64_t fits;
     if (p->step == 0 && (level < MG_LEVEL_HIGH || p->opts.fixed)) {
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_START, p->micro);
@@ -313,8 +390,10 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
         decide(p, MG_PLAN_HOLD, MG_PLAN_R_ELEVATED, p->micro);
     } else {
         p->calm++;
-        if (p->failed && ++p->calm_since_fail >= p->opts.retry_after) {
+        if (p->failed && ++p->calm_since_fail >= retry_wait(p)) {
+            p->retried = p->failed;
             p->failed = 0;
+            p->failed_room = 0;
             p->calm_since_fail = 0;
         }
         if (p->micro >= p->full)
@@ -329,19 +408,40 @@ int mg_planner_begin(mg_planner_t *p, uint64_t batch, int level, uint64_t *micro
     return 0;
 }
 
+/* A size failed in the room there is now: a ceiling until the room rises. */
+static void note_failed(mg_planner_t *p, uint64_t size)
+{
+    p->calm = 0;
+    p->calm_since_fail = 0;
+    if (size && (p->failed == 0 || size <= p->failed)) {
+        p->failed = size;
+        p->failed_room = p->opts.budget_bytes;
+    }
+    if (size && size >= p->retried && p->retried) /* a retry failed: wait longer */
+        p->retries++;
+}
+
+/* Where a step that ran out of memory at @p micro is redone: a grow that
+ * failed goes back to the size that ran (unless the room fell since, and
+ * the model says less fits); else a half at least, less where the room
+ * says so. */
+static uint64_t redo_target(const mg_planner_t *p, uint64_t micro)
+{
+    uint64_t fits, room = p->opts.budget_bytes;
+    int known = mg_planner_room_fit(p, &fits) == 0;
+    if (p->ran && p->ran < micro) {
+        int fell = room && (double)room < (double)p->ran_room * (1.0 - p->opts.margin);
+        return fell && known && fits < p->ran ? fits : p->ran;
+    }
+    return known && fits < micro / 2 ? fits : micro / 2;
+}
+
 int mg_planner_oom(mg_planner_t *p, uint64_t micro, uint64_t *next)
 {
     p->ooms++;
-    p->calm = 0;
-    p->calm_since_fail = 0;
-    if (micro && (p->failed == 0 || micro < p->failed))
-        p->failed = micro;
-    /* the model mispredicted (or the room fell during the step): half at
-     * least, less where the room says so */
-    uint64_t target = micro / 2, fits;
-    if (mg_planner_room_fit(p, &fits) == 0 && fits < target)
-        target = fits;
-    int rc = shrink(p, micro, target, MG_PLAN_R_OOM);
+    widen(p, micro);
+    note_failed(p, micro);
+    int rc = shrink(p, micro, redo_target(p, micro), MG_PLAN_R_OOM);
     if (rc == 0) {
         p->last.step = p->step ? p->step - 1 : 0; /* the step being redone */
         *next = p->micro;
@@ -353,12 +453,8 @@ int mg_planner_agree(mg_planner_t *p, uint64_t micro, uint64_t failed)
 {
     if (micro == 0)
         return EINVAL;
-    if (failed) {
-        p->calm = 0;
-        p->calm_since_fail = 0;
-        if (p->failed == 0 || failed < p->failed)
-            p->failed = failed;
-    }
+    if (failed)
+        note_failed(p, failed);
     if (micro != p->micro) {
         decide(p, micro < p->micro ? MG_PLAN_SHRINK : MG_PLAN_GROW, MG_PLAN_R_PEER, micro);
         p->last.step = p->step ? p->step - 1 : 0; /* the step under way */
@@ -371,6 +467,18 @@ void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes, uint64
     if (micro == 0 || peak_bytes == 0)
         return;
     double d = p->opts.decay, x = (double)micro, y = (double)peak_bytes;
+    uint64_t pred;
+    if (p->opts.budget_bytes && mg_planner_predict(p, micro, &pred) == 0) {
+        double r = (y - (double)pred) / (double)p->opts.budget_bytes;
+        p->se = p->se * d + r * r;
+        p->sew = p->sew * d + 1.0;
+    }
+    p->boost *= 0.9; /* a steady step narrows what errors added */
+    remargin(p);
+    if (micro == p->micro) { /* the plan ran (not a short batch's whole) */
+        p->ran = micro;
+        p->ran_room = p->opts.budget_bytes;
+    }
     p->sf *= d;
     p->sfw *= d;
     if (floor_bytes && floor_bytes < peak_bytes) { /* else unknown: no information */
@@ -382,6 +490,50 @@ void mg_planner_end(mg_planner_t *p, uint64_t micro, uint64_t peak_bytes, uint64
     p->sy = p->sy * d + y;
     p->sxx = p->sxx * d + x * x;
     p->sxy = p->sxy * d + x * y;
+}
+
+void mg_planner_time(mg_planner_t *p, uint64_t micro, uint64_t batch, double seconds)
+{
+    if (micro == 0 || batch == 0 || !(seconds > 0.0) || batch != p->full)
+        return;
+    if (batch != p->timed_full) { /* a new batch size: its own time */
+        p->tw = p->tk = p->tt = p->tkk = p->tkt = 0.0;
+        p->timed_full = batch;
+    }
+    double d = p->opts.decay, k = (double)((batch + micro - 1) / micro);
+    p->tw = p->tw * d + 1.0;
+    p->tk = p->tk * d + k;
+    p->tt = p->tt * d + seconds;
+    p->tkk = p->tkk * d + k * k;
+    p->tkt = p->tkt * d + k * seconds;
+}
+
+/* t = base + per_micro * k over the timed steps; with one k seen, or a
+ * slope below 0 (noise, or a loaded machine, more often than a real
+ * saving: acting on it would stop growth back), per_micro is 0. */
+int mg_planner_time_model(const mg_planner_t *p, double *base, double *per_micro)
+{
+    if (p->tw <= 0.0)
+        return ENODATA;
+    double mk = p->tk / p->tw, mt = p->tt / p->tw, var = p->tkk / p->tw - mk * mk;
+    double slope = var > 1e-9 ? (p->tkt / p->tw - mk * mt) / var : 0.0;
+    if (slope < 0.0)
+        slope = 0.0;
+    *per_micro = slope;
+    *base = mt - slope * mk;
+    return 0;
+}
+
+int mg_planner_predict_time(const mg_planner_t *p, uint64_t micro, double *seconds)
+{
+    double base, per, k = (double)((p->timed_full + micro - 1) / (micro ? micro : 1));
+    if (micro == 0 || mg_planner_time_model(p, &base, &per))
+        return ENODATA;
+    double mk = p->tk / p->tw, var = p->tkk / p->tw - mk * mk;
+    if (var <= 1e-9 && fabs(k - mk) > 0.5)
+        return ENODATA; /* one number of micro-batches seen: no slope to go by */
+    *seconds = base + per * k;
+    return 0;
 }
 
 const char *mg_plan_action_name(int action)

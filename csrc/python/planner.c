@@ -13,9 +13,10 @@ typedef struct {
 static int Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"micro", "min_micro", "multiple_of", "divisor_of", "budget_bytes",
-                             "margin", "decay", "grow_after", "retry_after", "fixed", NULL};
+                             "margin", "decay", "grow_after", "retry_after", "fixed", "align",
+                             NULL};
     mg_planner_opts_t o;
-    unsigned long long micro = 0, min_micro, multiple_of, divisor_of, budget;
+    unsigned long long micro = 0, min_micro, multiple_of, divisor_of, budget, align;
     unsigned int grow_after, retry_after;
     int fixed = 0;
     mg_planner_opts_default(&o);
@@ -25,10 +26,12 @@ static int Planner_init(PlannerObject *self, PyObject *args, PyObject *kw)
     budget = o.budget_bytes;
     grow_after = o.grow_after;
     retry_after = o.retry_after;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKKKKddIIp", kwlist, &micro, &min_micro,
+    align = o.align;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$KKKKKddIIpK", kwlist, &micro, &min_micro,
                                      &multiple_of, &divisor_of, &budget, &o.margin, &o.decay,
-                                     &grow_after, &retry_after, &fixed))
+                                     &grow_after, &retry_after, &fixed, &align))
         return -1;
+    o.align = align ? align : 1;
     o.min_micro = min_micro;
     o.multiple_of = multiple_of;
     o.divisor_of = divisor_of;
@@ -119,6 +122,37 @@ static PyObject *Planner_end(PlannerObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* time(micro, batch, seconds): a calm step's duration, for the time model */
+static PyObject *Planner_time(PlannerObject *self, PyObject *args)
+{
+    unsigned long long micro, batch;
+    double seconds;
+    if (!PyArg_ParseTuple(args, "KKd", &micro, &batch, &seconds))
+        return NULL;
+    mg_planner_time(&self->p, micro, batch, seconds);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Planner_predict_time(PlannerObject *self, PyObject *arg)
+{
+    uint64_t micro;
+    double s = 0.0;
+    if (size_arg(arg, &micro))
+        return NULL;
+    if (mg_planner_predict_time(&self->p, micro, &s))
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(s);
+}
+
+static PyObject *Planner_set_align(PlannerObject *self, PyObject *arg)
+{
+    uint64_t a;
+    if (size_arg(arg, &a))
+        return NULL;
+    mg_planner_set_align(&self->p, a);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Planner_predict(PlannerObject *self, PyObject *arg)
 {
     uint64_t micro, bytes = 0;
@@ -159,14 +193,28 @@ static PyObject *Planner_state(PlannerObject *self, PyObject *unused)
 {
     (void)unused;
     const mg_planner_t *p = &self->p;
-    return Py_BuildValue(
-        "{sKsKsKsKsIsIsKsKsssssKsKsK}", "micro", (unsigned long long)p->micro, "full",
+    double base = 0.0, per = 0.0;
+    int timed = mg_planner_time_model(p, &base, &per) == 0;
+    PyObject *st = Py_BuildValue(
+        "{sKsKsKsKsIsIsKsKsssssKsKsKsKsKsd}", "micro", (unsigned long long)p->micro, "full",
         (unsigned long long)p->full, "failed", (unsigned long long)p->failed, "step",
         (unsigned long long)p->step, "calm", p->calm, "calm_since_fail", p->calm_since_fail,
         "ooms", (unsigned long long)p->ooms, "decision_step", (unsigned long long)p->last.step,
         "action", mg_plan_action_name(p->last.action), "reason",
         mg_plan_reason_name(p->last.reason), "from", (unsigned long long)p->last.from, "to",
-        (unsigned long long)p->last.to, "budget_bytes", (unsigned long long)p->opts.budget_bytes);
+        (unsigned long long)p->last.to, "budget_bytes", (unsigned long long)p->opts.budget_bytes,
+        "failed_room", (unsigned long long)p->failed_room, "ran", (unsigned long long)p->ran,
+        "margin", p->margin);
+    if (st == NULL || !timed)
+        return st;
+    /* the time model, once a step was timed */
+    PyObject *b = PyFloat_FromDouble(base), *m = PyFloat_FromDouble(per);
+    if (b == NULL || m == NULL || PyDict_SetItemString(st, "time_base_s", b) ||
+        PyDict_SetItemString(st, "time_per_micro_s", m))
+        Py_CLEAR(st);
+    Py_XDECREF(b);
+    Py_XDECREF(m);
+    return st;
 }
 
 static PyMethodDef Planner_methods[] = {
@@ -178,6 +226,12 @@ static PyMethodDef Planner_methods[] = {
      "agree(micro, failed=0): adopt the size the ranks agreed on; failed: a peer's OOM size"},
     {"end", (PyCFunction)Planner_end, METH_VARARGS,
      "end(micro, peak_bytes, floor_bytes=0): step finished; floor: held as it began"},
+    {"time", (PyCFunction)Planner_time, METH_VARARGS,
+     "time(micro, batch, seconds): a calm step's duration, for the time model"},
+    {"predict_time", (PyCFunction)Planner_predict_time, METH_O,
+     "predict_time(micro) -> predicted step seconds at the full batch, or None"},
+    {"set_align", (PyCFunction)Planner_set_align, METH_O,
+     "set_align(n): prefer multiples of n where they add no micro-batch"},
     {"predict", (PyCFunction)Planner_predict, METH_O,
      "predict(micro) -> predicted peak bytes, or None before any observation"},
     {"fit", (PyCFunction)Planner_fit, METH_O,
@@ -195,7 +249,7 @@ static PyType_Slot Planner_slots[] = {
     {Py_tp_dealloc, Planner_dealloc},
     {Py_tp_methods, Planner_methods},
     {Py_tp_doc, "Planner(*, micro=0, min_micro=1, multiple_of=1, divisor_of=0, budget_bytes=0, "
-                "margin=0.1, decay=0.98, grow_after=8, retry_after=64, fixed=False)"},
+                "margin=0.03, decay=0.98, grow_after=8, retry_after=64, fixed=False, align=1)"},
     {0, NULL},
 };
 

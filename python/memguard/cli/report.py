@@ -10,10 +10,11 @@ three panels: memory against the budget (RSS, and the arena's allocated and
 reserved bytes when it served tensors), the pressure level, and the
 micro-batch size of each :meth:`memguard.Guard.step`. Events are drawn on
 all three: out-of-memory errors recovered, gc reliefs, checkpointing
-switched on or off, CRITICAL with nothing left to shrink; shrink and grow
-decisions are marked on the micro-batch panel; any other event (a script's
-own, written with :meth:`~memguard.telemetry.JsonlExporter.event`) is a
-labelled grey line. A run without a guard, or with fields its schema
+switched on or off, CRITICAL with nothing left to shrink, the size of
+:meth:`memguard.Guard.infer`'s own plan changing (apart from the steps');
+the steps' shrink and grow decisions are marked on the micro-batch panel;
+any other event (a script's own, written with
+:meth:`~memguard.telemetry.JsonlExporter.event`) is a labelled grey line. A run without a guard, or with fields its schema
 version lacks, gives the panels it has data for.
 
 The file is read once, streamed (:func:`~memguard.telemetry.exporters.iter_jsonl`):
@@ -403,6 +404,7 @@ _LINES = {
     "checkpoint_on": ("checkpointing on (more blocks)", "#7048e8", "--", 1.4),
     "checkpoint_off": ("checkpointing off (fewer blocks)", "#b197fc", "--", 1.4),
     Event.CRITICAL.value: ("CRITICAL, nothing left to shrink", "#862e9c", "-.", 1.4),
+    Event.INFER_PLAN.value: ("inference resized (Guard.infer)", "#f76707", "--", 1.0),
     "other": ("other event", "#868e96", "-", 0.8),
 }
 
@@ -445,8 +447,8 @@ def _figure(title: str, run: _Run, summary: RunSummary) -> Any:
     _event_lines(axes, run, t0, handles)
     if run.t_hi >= run.t_lo:
         axes[-1].set_xlim(min(run.t_lo - t0, 0.0), run.t_hi - t0 + 1e-3)
-    order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "relieve", "checkpoint_on",
-             "checkpoint_off", "critical", "other"]
+    order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "infer_plan", "relieve",
+             "checkpoint_on", "checkpoint_off", "critical", "other"]
     shown = [handles[k] for k in order if k in handles]
     if shown:
         fig.legend(handles=shown, loc="outside lower center", ncols=min(len(shown), 5),

@@ -234,10 +234,11 @@ class Governor:
     Args:
         device: the device (``"cuda"``: the current one at :meth:`install`).
         budget: ``None`` (no cap), a size (``"20GiB"``), a share of the
-            device (``"75%"``) or ``"auto"``: live, 90 % of what this
-            process holds on the device plus what is free there, re-read at
-            every push (a step boundary), so that another process taking
-            VRAM lowers it. Under PyTorch's allocator it becomes
+            device (``"75%"``) or ``"auto"``: live, what this process
+            holds on the device plus what is free there, re-read at every
+            push (a step boundary), so that another process taking VRAM
+            lowers it (no reserve: the planner keeps its own margin, learnt
+            from its errors). Under PyTorch's allocator it becomes
             ``set_per_process_memory_fraction``; under memguard's, that
             allocator's budget.
         sampler: the telemetry sampler the counters are pushed to.
@@ -332,15 +333,16 @@ class Governor:
             self._fraction_set = False
 
     def _follow_device(self) -> None:
-        """The live ``"auto"`` budget: 90 % of what this process holds on
-        the device (its allocator's reserved bytes) plus what is free there;
-        applied when it moved by more than a 32nd."""
+        """The live ``"auto"`` budget: what this process holds on the
+        device (its allocator's reserved bytes) plus what is free there;
+        applied when it moved by more than a 32nd. No reserve is taken
+        here: the planner's margin is the one reserve."""
         free, total = self._info()
         if not total:
             return
         ms = self._stats()
         held = int(ms.get("reserved_bytes.current", ms.get("reserved_bytes.all.current", 0)) or 0)
-        live = max(1, int(0.9 * (held + free)))
+        live = max(1, held + free)
         old = self.budget_bytes
         if not old or abs(live - old) * 32 > max(live, old):
             self.budget_bytes = live

@@ -24,6 +24,9 @@ class Event(str, enum.Enum):
     OOM_RECOVERED = "oom_recovered"
     #: a step ran out of memory at the smallest micro-batch and was rolled back
     OOM_GAVE_UP = "oom_gave_up"
+    #: Guard.infer's own plan changed its micro-batch size (an out-of-memory
+    #: error, the room, pressure, growth); the training plan is apart
+    INFER_PLAN = "infer_plan"
     #: post_step raised after the step was committed
     POST_STEP_FAILED = "post_step_failed"
     #: blocks were checkpointed, or switched back off

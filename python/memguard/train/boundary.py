@@ -9,6 +9,7 @@ measure, then the plan (:class:`~memguard.train.plan.Plan`).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from memguard.memory import arena
@@ -33,6 +34,9 @@ class Boundary:
         signals.after_sample = self.overruns.check
         self.peak = PeakMeter()
         self.floor = 0          # what the peak's source held as the step began
+        self._t0 = 0.0          # when the step began (0: not timed: redone, or not calm)
+        #: the last committed step's time the planner learnt (0: not timed)
+        self.seconds = 0.0
         #: whether the guard is installed (it manages the arena only then)
         self.active = False
 
@@ -44,7 +48,11 @@ class Boundary:
         self._follow_room(level, step)
         self.floor = self.peak.start(batch)
         self.sync_budget(budget)
-        return self.planner.begin(n, level, peers, step)
+        begun = self.planner.begin(n, level, peers, step)
+        # only a calm step is the plan's own time (pressure, swap and
+        # reliefs are not)
+        self._t0 = time.perf_counter() if level == Level.OK else 0.0
+        return begun
 
     def restart(self, batch: Any) -> None:
         """Before a step is redone after an out-of-memory error: memory
@@ -54,13 +62,17 @@ class Boundary:
         self.gc.relieve_oom()
         self.floor = self.peak.start(batch)
         self.signals.forget_attempt()
+        self._t0 = 0.0          # a redone step's time is not its size's
 
-    def end(self, micro: int) -> int:
-        """A committed step at ``micro``: its peak, learnt by the planner
-        (and by the room's cache bound, when the arena measured it)."""
+    def end(self, micro: int, n: int) -> int:
+        """A committed step of ``n`` samples at ``micro``: its peak, learnt
+        by the planner (and by the room's cache bound, when the arena
+        measured it), and its duration where it was calm and done at once."""
         peak = self.peak.stop()
+        seconds = time.perf_counter() - self._t0 if self._t0 else 0.0
+        self.seconds = seconds
         # a lower bound (a mark nobody resets, not raised) teaches nothing
-        self.planner.end(micro, peak if self.peak.exact else 0, self.floor)
+        self.planner.end(micro, peak if self.peak.exact else 0, self.floor, n, seconds)
         if self.peak.source == "arena":
             self.room.record_peak(peak)
         return peak
@@ -68,7 +80,7 @@ class Boundary:
     def follow_now(self, budget: int) -> None:
         """Within a step (after an out-of-memory error): the room now, the
         arena's budget and the planner's following it."""
-        self.room.follow(self.signals.latest_sample(), self._manages_arena())
+        self.room.follow(self.signals.latest_sample(), self.manages_arena())
         self.sync_budget(budget)
 
     def cache_keep(self) -> int:
@@ -78,18 +90,27 @@ class Boundary:
         return int(arena.stats()["cached_bytes"]) if keep is None else keep
 
     def sync_budget(self, budget: int) -> None:
-        """The planner plans against the budget of what the peaks measure:
-        the arena's (the room the live budget leaves tensors) when it serves
-        them, the device's for CUDA, the process's ``budget`` for RSS."""
-        if self.peak.source == "arena":
-            budget = arena.stats()["budget_bytes"]
-        elif self.peak.source == "cuda":
-            gov = self.signals.governor
-            budget = 0 if gov is None else \
-                gov.budget_bytes or (gov.last or {}).get("total_bytes", 0)
-        self.planner.set_budget(budget)
+        """The planner plans against the budget of what the step's peaks
+        measure (:meth:`budget_of`), and, for CUDA batches, prefers
+        multiples of 8."""
+        self.planner.set_budget(self.budget_of(self.peak.source, budget))
+        self.planner.set_align(8 if self.peak.source == "cuda" else 1)
 
-    def _manages_arena(self) -> bool:
+    def budget_of(self, source: str, budget: int) -> int:
+        """The budget of what peaks from ``source`` measure: the arena's
+        (the room the live budget leaves tensors) when it serves them, the
+        device's for CUDA, the process's ``budget`` for RSS."""
+        if source == "arena":
+            return int(arena.stats()["budget_bytes"])
+        if source == "cuda":
+            gov = self.signals.governor
+            return 0 if gov is None else \
+                gov.budget_bytes or (gov.last or {}).get("total_bytes", 0)
+        return budget
+
+    def manages_arena(self) -> bool:
+        """Whether the room sets the arena's budget: the guard is installed
+        and the arena is its to manage."""
         return self.active and self.room.manages_arena and arena.installed()
 
     def _follow_room(self, level: int, step: int) -> None:
@@ -99,7 +120,7 @@ class Boundary:
         outside = self.signals.take_outside_peak()
         if step:
             self.room.record_step(outside)
-        state = self.room.boundary(self.signals.latest_sample(), self._manages_arena())
+        state = self.room.boundary(self.signals.latest_sample(), self.manages_arena())
         if before is None or _moved(before.budget_bytes, state.budget_bytes):
             self.signals.event(Event.ROOM, step=step, **state.to_dict())
         if level >= Level.HIGH:

@@ -50,9 +50,14 @@ class GuardConfig:
         interval_ms: the telemetry sampler's period (=the ``interval_ms``
             option, 100).
         grow_after: calm steps before a larger micro-batch is tried (=8).
-        retry_after: calm steps before a size that failed is tried again (=64).
-        margin: planned sizes keep the predicted peak under the room for
-            tensors times (1 - margin) (=0.1).
+        retry_after: calm steps before a size that failed is tried again
+            where the room is unknown (=64); with a room, the size is a
+            ceiling until the room rises by a quarter over its room then.
+        margin: the least margin: planned sizes keep the predicted peak
+            under the room for tensors times (1 - margin), where the margin
+            is learnt from the planner's own prediction errors (twice their
+            root-mean-square, widened by an out-of-memory error at a size
+            it said fits) and never below this (=0.03).
         gc_interval_s: the least time between two pressure reliefs (=0: only
             their cost limits them, to 5 % of the run's time).
         sampler: a :class:`memguard.Sampler` to take pressure levels from
@@ -104,7 +109,7 @@ class GuardConfig:
     interval_ms: float | None = None
     grow_after: int = 8
     retry_after: int = 64
-    margin: float = 0.1
+    margin: float = 0.03
     gc_interval_s: float = 0.0
     sampler: Any = None
     checkpoint: Any = None

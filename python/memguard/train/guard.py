@@ -23,6 +23,7 @@ the exporter, the CUDA governor), :class:`~memguard.train.plan.Plan` (the
 planner and its escalation), :class:`~memguard.memory.gc_hooks.GcHooks`, and
 :class:`~memguard.train.boundary.Boundary`, which has them act between steps
 in order; the step itself is a :class:`~memguard.train.step.Transaction`.
+:meth:`Guard.infer` plans apart (:class:`~memguard.train.inference.InferencePlan`).
 """
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ from memguard.train import batch as _batch
 from memguard.train.boundary import Boundary
 from memguard.train.config import GuardConfig
 from memguard.train.distributed import Peers
+from memguard.train.inference import InferencePlan, infer
 from memguard.train.interrupts import held
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
 from memguard.train.state import GuardState
-from memguard.train.step import GuardOOMError, Output, StepArgs, StepResult, Transaction, infer  # noqa: F401
+from memguard.train.step import GuardOOMError, Output, StepArgs, StepResult, Transaction  # noqa: F401
 from memguard.train.transaction import Need
 
 log = logging.getLogger("memguard")
@@ -163,11 +165,11 @@ class Guard:
         self.gc.on_event = self.signals.event
         self.planner = Plan(c, self.signals.event, lambda: self.on_critical and self.on_critical(self))
         self.boundary = Boundary(self.room, self.signals, self.planner, self.gc)
+        self.inference = InferencePlan(self.planner.opts)   # infer's own plan: apart
         self._peers: Peers | None = None
         self._peers_checked = False
         self._warned: set[str] = set()   # what was warned about once (buffers, a remainder)
         self.update_need = Need()        # what each optimizer's updates allocate, learnt
-        self._evaluating = 0
         self._loop = _OneLoop()
         self.installed = False
         self.allocator_error: str | None = None
@@ -267,7 +269,7 @@ class Guard:
 
     @property
     def micro_batch(self) -> int:
-        """The planned micro-batch size (0 before the first step with "auto")."""
+        """The steps' planned micro-batch size (0 before the first with "auto"; infer's apart)."""
         return self.planner.micro
 
     def plan(self) -> dict[str, Any]:
@@ -355,18 +357,17 @@ class Guard:
     def evaluate(self) -> Iterator[Guard]:
         """Run a validation loop under ``no_grad``, micro-batched by
         :meth:`infer`; memory is released when it ends."""
-        self._evaluating += 1
         try:
             with torch.no_grad():
                 yield self
         finally:
-            self._evaluating -= 1
             self.boundary.overruns.check()
             self.gc.relieve("evaluate", force=True)
 
     def infer(self, batch: Any, fn: Callable[[Any], Any], *, combine: Any = None) -> Any:
-        """``fn`` over ``batch`` in micro-batches, smaller after an out-of-memory
-        error; outputs detached, joined as one call's (:mod:`memguard.train.outputs`).
+        """``fn`` over ``batch`` in micro-batches of inference's own plan, smaller when memory
+        is short (the training plan is left as it was); outputs detached, joined as one
+        call's (:mod:`memguard.train.outputs`).
 
         Raises:
             GuardOOMError: out of memory at the smallest allowed size.
@@ -378,7 +379,7 @@ class Guard:
     # -- resuming and reporting ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on where this one stopped: the
-        planned micro-batch, the checkpointed blocks and the counters."""
+        planned micro-batch, the checkpointed blocks and the counters (not infer's plan)."""
         return GuardState.of(self).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -408,7 +409,7 @@ class Guard:
                 "peak_source": self.peak_source,
                 "checkpointed_blocks": self.checkpoints.n_on if self.checkpoints else 0,
                 "budget_bytes": self.budget_bytes, "gc": self.gc.stats.to_dict(),
-                "plan": self.plan(), "time": time.time()}
+                "plan": self.plan(), "infer_micro_batch": self.inference.micro, "time": time.time()}
 
     def postfix(self) -> dict[str, Any]:
         """A short view of the run for a progress bar: ``bar.set_postfix(guard.postfix())``.

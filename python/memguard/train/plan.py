@@ -41,6 +41,7 @@ class Plan:
                              f"divisor_of={config.divisor_of}")
         #: the budget the planner plans against now
         self.budget = self.opts["budget_bytes"]
+        self._align = 1
         ck = config.checkpoint
         self.checkpoints: Checkpoints | None = None if ck is None else \
             ck if isinstance(ck, Checkpoints) else wrap_checkpoints(ck)
@@ -95,15 +96,27 @@ class Plan:
         else:
             self.planner.agree(micro, failed=failed)
 
-    def end(self, micro: int, peak: int, floor: int) -> None:
-        """A committed step: the model learns its peak above the floor."""
+    def end(self, micro: int, peak: int, floor: int, n: int = 0, seconds: float = 0.0) -> None:
+        """A committed step: the model learns its peak above the floor, and,
+        for a calm step of ``n`` samples done at the first attempt, its
+        duration (``seconds``; 0: not timed)."""
         self.planner.end(micro, peak, floor)
+        if seconds > 0.0:
+            self.planner.time(micro, n, seconds)
+
+    def set_align(self, align: int) -> None:
+        """Prefer multiples of ``align`` where they add no micro-batch (8 on
+        CUDA, where kernels favour them; 1 elsewhere)."""
+        if align != self._align:
+            self.planner.set_align(align)
+            self._align = align
 
     def restart_at(self, micro: int) -> None:
         """A resumed run: plan from ``micro`` (a fixed size stays fixed)."""
         if micro and not self.opts["fixed"]:
             self.planner = _C.Planner(**dict(self.opts, micro=micro))
             self.budget = self.opts["budget_bytes"]
+            self._align = 1
 
     def _checkpoint_hold(self, level: int, step: int) -> int:
         """De-escalation comes first: while blocks are checkpointed a calm

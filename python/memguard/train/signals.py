@@ -54,6 +54,7 @@ class Signals:
         self._window_t = 0.0            # samples taken before (epoch s) were of a failed attempt
         self._level = Level.OK          # level of the newest sample
         self._outside_peak = 0          # most held outside the arena since the boundary
+        self._delivered: Any = None     # the newest sample the callbacks delivered
         #: called on the sampler's thread after each sample is taken in
         self.after_sample: Callable[[], Any] | None = None
 
@@ -149,6 +150,7 @@ class Signals:
             if t is None or t >= self._window_t:
                 self._max_raw = max(self._max_raw, s.raw_level)
             self._level = s.level
+            self._delivered = s
             self._outside_peak = max(self._outside_peak, outside)
         if self.after_sample is not None:
             self.after_sample()
@@ -158,6 +160,13 @@ class Signals:
         """The newest sample (one taken now when the sampler has none)."""
         s = self.sampler.latest() if self.sampler is not None else None
         return s if s is not None else sample()
+
+    def delivered(self) -> Any:
+        """The newest sample the sampler's callbacks delivered (``None``
+        before the first): read between an inference's micro-batches, where
+        taking or converting a sample would cost more than reading it."""
+        with self._lock:
+            return self._delivered
 
     def take_outside_peak(self) -> int:
         """The most held outside the arena since the last call."""

@@ -28,7 +28,6 @@ from memguard.memory import arena
 from memguard.memory.oom import is_oom
 from memguard.telemetry.events import Event
 from memguard.train import batch as _batch
-from memguard.train import outputs as _outputs
 from memguard.train.accumulation import Accumulator
 from memguard.train.distributed import PeerOOM, Peers
 from memguard.train.gradcache import gradcache_backward
@@ -93,21 +92,33 @@ class SkipStep(Exception):
 
 
 class GuardOOMError(RuntimeError):
-    """A step ran out of memory at every micro-batch size the guard may use."""
+    """A step, or an inference (:meth:`memguard.Guard.infer`), ran out of
+    memory at every micro-batch size the guard may use.
 
-    def __init__(self, tried: list[int], min_micro_batch: int) -> None:
+    Attributes:
+        tried: the sizes that ran out of memory, in order.
+        inference: whether it was an inference.
+    """
+
+    def __init__(self, tried: list[int], min_micro_batch: int, inference: bool = False) -> None:
         self.tried = list(tried)
-        super().__init__(
-            "out of memory at every micro-batch size tried for this step "
-            f"({', '.join(map(str, tried))}; min_micro_batch={min_micro_batch}): lower "
-            "min_micro_batch, raise the budget, or checkpoint activations")
+        self.inference = inference
+        sizes = f"({', '.join(map(str, tried))}; min_micro_batch={min_micro_batch})"
+        if inference:    # no graph, no gradients: nothing to checkpoint
+            advice = ("lower min_micro_batch or raise the budget (an inference runs one "
+                      "micro-batch at a time: even the smallest did not fit)")
+        else:
+            advice = "lower min_micro_batch, raise the budget, or checkpoint activations"
+        super().__init__(f"out of memory at every micro-batch size tried for this "
+                         f"{'inference' if inference else 'step'} {sizes}: {advice}")
 
 
-def gave_up(tried: list[int], min_micro_batch: int, cause: BaseException | None) -> GuardOOMError:
-    """The error for a step that ran out of memory at every size; where
-    memguard's budget refused the last allocation, a note (on it and on its
-    cause) says so."""
-    err = GuardOOMError(tried, min_micro_batch)
+def gave_up(tried: list[int], min_micro_batch: int, cause: BaseException | None,
+            inference: bool = False) -> GuardOOMError:
+    """The error for a step (or an inference) that ran out of memory at
+    every size; where memguard's budget refused the last allocation, a note
+    (on it and on its cause) says so."""
+    err = GuardOOMError(tried, min_micro_batch, inference)
     if cause is not None and arena.explain(cause):
         err.add_note(cause.__notes__[-1])
     return err
@@ -255,7 +266,7 @@ class Transaction:
         g.steps += 1                       # first: the count agrees with the commit
         plan = g.planner.state() if self.tried else begun["plan"]   # the OOM's decision
         aux = _batch.concat(self.aux) if self.aux else None
-        peak = g.boundary.end(self.micro)
+        peak = g.boundary.end(self.micro, self.a.n)
         g.peak_bytes = max(g.peak_bytes, peak)
         g.last = StepResult(loss=loss, micro_batch=self.micro, n_micro=self._n_micro,
                             retries=len(self.tried), peak_bytes=peak, aux=aux,
@@ -264,7 +275,7 @@ class Transaction:
                         retries=len(self.tried), peak_bytes=peak, loss=loss,
                         action=plan["action"], reason=plan["reason"], batch=self.a.n,
                         level=begun["level"], planner_budget_bytes=begun["budget"],
-                        floor_bytes=g.boundary.floor)
+                        floor_bytes=g.boundary.floor, timed_s=g.boundary.seconds or None)
         return g.last
 
     def _post_step(self, res: StepResult) -> None:
@@ -502,38 +513,3 @@ class Transaction:
             self._agree_done()
         self.acc.backward(loss, weight)
         return aux
-
-
-def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = None) -> Any:
-    """:meth:`memguard.Guard.infer`: ``fn`` over ``batch`` under ``no_grad``
-    in micro-batches, going on after an out-of-memory error from the
-    micro-batch that failed, at the planner's smaller size; the outputs
-    joined by :func:`memguard.train.outputs.join`."""
-    n = _batch.checked_size(batch)
-    _outputs.check_combine(combine)
-    micro, start, outs, tried, counts = min(guard.micro_batch or n, n), 0, [], [], []
-    sizes = guard.config.sizes
-    parts = sizes.of(n, micro)
-    with torch.no_grad(), contextlib.closing(arena.strict):
-        while start < n:
-            stop = start + parts[0]
-            try:
-                with arena.strict():
-                    out = fn(_batch.slice_(batch, start, stop))
-                outs.append(_batch.detach(out))
-                counts.append(stop - start)
-                start = stop
-                parts.pop(0)
-                continue
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                tried.append(micro)
-                guard.boundary.follow_now(guard.budget_bytes)
-                micro = guard.planner.oom(micro)
-                if not micro:
-                    raise gave_up(tried, guard.config.min_micro_batch, exc) from exc
-                parts = sizes.of(n - start, micro)
-            guard.gc.relieve_oom()     # out of the except block: its frames are gone
-            guard.ooms_recovered += 1
-    return _outputs.join(outs, counts, combine)

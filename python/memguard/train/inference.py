@@ -1,0 +1,195 @@
+""":meth:`memguard.Guard.infer` and its micro-batch plan, apart from the
+training step's.
+
+An inference holds no graph and no gradients, so the size that fits it is
+not the training step's: it has a planner of its own (memguard's C planner,
+with the guard's constraints) and a peak meter of its own, and an
+out-of-memory error in it never changes the training plan, its ceilings or
+its model. Each call starts from the size the last one settled on (the
+whole batch at first), and at every micro-batch boundary the plan looks at
+the pressure and the room as a step boundary does
+(:mod:`memguard.train.boundary`), from the newest sample the sampler
+delivered (nothing is taken or pushed between micro-batches): a room that
+fell below the planned size's predicted peak, or HIGH pressure, shrinks
+before anything runs out of memory. An out-of-memory error shrinks too, and
+the call goes on from the micro-batch that failed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from memguard import _C
+from memguard.memory import arena
+from memguard.memory.oom import is_oom
+from memguard.telemetry.events import Event
+from memguard.telemetry.samples import Level
+from memguard.train import batch as _batch
+from memguard.train import outputs as _outputs
+from memguard.train.peaks import PeakMeter
+from memguard.train.step import gave_up
+
+if TYPE_CHECKING:
+    from memguard.train.guard import Guard
+
+log = logging.getLogger("memguard")
+
+
+class InferencePlan:
+    """The micro-batch plan of a guard's inferences.
+
+    Args:
+        opts: the training planner's options (:attr:`memguard.train.plan.Plan.opts`):
+            the same constraints, margin, ``grow_after`` and ``retry_after``,
+            and the same fixed size where one was given.
+    """
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.planner = _C.Planner(**opts)
+        #: the peaks the planner learns
+        self.peak = PeakMeter()
+        #: decisions that changed the size, out-of-memory errors included
+        self.changes = 0
+        self._size = 0                 # the size the last boundary planned (0: none, or an OOM)
+        self._floor: int | None = None   # where the metered micro-batch's peak starts
+        self._seen_t = -math.inf       # the time of the newest sample acted on
+        self._held = int(Level.OK)     # the level while no newer sample comes
+
+    @property
+    def micro(self) -> int:
+        """The size the last inference settled on (0 before the first)."""
+        return int(self.planner.state()["micro"])
+
+    def state(self) -> dict[str, Any]:
+        """The planner's state and its last decision with the reason."""
+        return self.planner.state()
+
+    def begin(self, guard: Guard, batch: Any, n: int, first: bool) -> tuple[int, bool]:
+        """A micro-batch boundary of an inference over ``batch`` of ``n``
+        samples (``first``: the call's first): its size, and whether the
+        plan changed size here. The peak is metered for a call's first
+        micro-batch and the first at each new size (what the model learns
+        most from; metering each would cost more than the rest of the
+        boundary)."""
+        if first:
+            self._meter(batch)         # first: the budget is that of the peaks' source
+        level = self._level(guard, first)
+        self.planner.set_budget(guard.boundary.budget_of(self.peak.source, guard.budget_bytes))
+        if first:
+            self.planner.set_align(8 if self.peak.source == "cuda" else 1)
+        micro = int(self.planner.begin(n, level))
+        if micro == self._size:
+            return micro, False
+        if not first:
+            self._meter(batch)
+        self._size = micro
+        return micro, self.planner.state()["action"] != "hold"
+
+    def end(self, size: int) -> None:
+        """A micro-batch of ``size`` samples ran: where it was metered, the
+        planner learns its peak (not a lower bound: see
+        :attr:`PeakMeter.exact`)."""
+        if self._floor is None:
+            return
+        peak = self.peak.stop()
+        self.planner.end(size, peak if self.peak.exact else 0, self._floor)
+        self._floor = None
+
+    def oom(self, guard: Guard, micro: int) -> int:
+        """Out of memory at ``micro``: the size to go on at (0: none is
+        smaller), with the room as it is now."""
+        self._follow(guard, guard.signals.latest_sample())
+        self.planner.set_budget(guard.boundary.budget_of(self.peak.source, guard.budget_bytes))
+        self._size, self._floor = 0, None   # the next micro-batch is metered
+        return int(self.planner.oom(micro) or 0)
+
+    def _meter(self, batch: Any) -> None:
+        """Meter the next micro-batch's peak, from what its source holds now."""
+        self._floor = self.peak.start(batch)
+
+    def _level(self, guard: Guard, first: bool) -> int:
+        """The pressure level the boundary acts on, and the room followed.
+        A call's first boundary reads the newest sample there is and follows
+        the room, as a step boundary does; the others only what the
+        sampler's callbacks delivered since, which costs nothing to read. A
+        sample's level counts once: while none newer comes, the size holds
+        at ELEVATED and above, as the step boundary after a shrink for HIGH
+        does."""
+        s = guard.signals.latest_sample() if first else guard.signals.delivered()
+        t = getattr(s, "t", None)
+        fresh = t is not None and t > self._seen_t
+        if fresh or first:
+            self._follow(guard, s)
+        if not fresh:
+            return self._held
+        self._seen_t = t
+        raw, level = int(s.raw_level), int(s.level)
+        self._held = int(Level.ELEVATED) if max(raw, level) >= Level.ELEVATED else int(Level.OK)
+        return raw if raw >= Level.HIGH else self._held
+
+    @staticmethod
+    def _follow(guard: Guard, sample: Any) -> None:
+        """The room in ``sample``, and memguard's arena budget following it
+        where the guard manages the arena (the step's rule)."""
+        guard.room.follow(sample, guard.boundary.manages_arena())
+
+
+def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = None) -> Any:
+    """:meth:`memguard.Guard.infer`: ``fn`` over ``batch`` under ``no_grad``
+    in micro-batches of the inference plan's size, going on after an
+    out-of-memory error from the micro-batch that failed, at a smaller size;
+    the outputs joined by :func:`memguard.train.outputs.join`."""
+    n = _batch.checked_size(batch)
+    _outputs.check_combine(combine)
+    plan, sizes = guard.inference, guard.config.sizes
+    start, micro, parts, outs, counts, tried = 0, 0, [], [], [], []
+    with torch.no_grad(), contextlib.closing(arena.strict):
+        while start < n:
+            planned, changed = plan.begin(guard, batch, n, first=not (start or tried))
+            if changed:
+                _changed(guard, n, start)
+            if planned != micro:
+                micro, parts = planned, sizes.of(n - start, planned)
+            stop = start + parts[0]
+            try:
+                with arena.strict():
+                    out = fn(_batch.slice_(batch, start, stop))
+                plan.end(stop - start)
+                outs.append(_batch.detach(out))
+                counts.append(stop - start)
+                start = stop
+                parts.pop(0)
+                continue
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                tried.append(micro)
+                nxt = plan.oom(guard, micro)
+                if not nxt:
+                    raise gave_up(tried, guard.config.min_micro_batch, exc,
+                                  inference=True) from exc
+            guard.gc.relieve_oom()     # out of the except block: its frames are gone
+            guard.ooms_recovered += 1
+            _changed(guard, n, start, failed=micro)
+            log.warning("memguard: an inference ran out of memory at micro-batch %d; going on "
+                        "at %d from sample %d of %d", micro, nxt, start, n)
+            micro, parts = nxt, sizes.of(n - start, nxt)
+    return _outputs.join(outs, counts, combine)
+
+
+def _changed(guard: Guard, n: int, start: int, failed: int = 0) -> None:
+    """The inference plan changed size before sample ``start`` of ``n``
+    (``failed``: out of memory at that size): counted, and written as an
+    ``infer_plan`` event, which ``memguard report`` tells from the
+    training step's decisions (an inference writes no ``step`` event)."""
+    plan = guard.inference
+    plan.changes += 1
+    state = plan.state()
+    guard.signals.event(Event.INFER_PLAN, micro_batch=state["to"], from_micro_batch=state["from"],
+                        action=state["action"], reason=state["reason"],
+                        failed_micro_batch=failed or None, batch=n, sample=start,
+                        planner_budget_bytes=state["budget_bytes"])
