@@ -9,7 +9,25 @@ process (pytest-benchmark times the run); the figures are its steps:
 
 (a) the limit below the need from the start;
 (b) the limit lowered mid-run, from above the plain loop's need to below it;
-(c) the limit raised again (the same run as (b), continued).
+(c) the limit raised again (the same run as (b), continued);
+(d) an out-of-memory error at the whole batch in the first step, then the
+    limit raised well above the whole batch's need (memguard alone: the
+    plain loop has no batch to give back).
+
+How (d)'s first step runs out of memory: in memguard's arena, not in the
+kernel. The run starts under a limit below the whole batch's need ((a)'s;
+a higher one in the quick setting, whose lower limit can read as HIGH
+before any step, which quarters the batch without an error). The guard's
+live budget is the limit less its 8 % reserve, the arena's budget that
+less what the process holds outside the arena (10 % more than at install,
+before any step): about 1.6 GB of a 2200 MiB limit, where half the batch's
+tensors alone peak at 1.26 GB. The arena refuses the allocation past its
+budget (the guard's budget is soft: it refuses inside a step only) and the
+step is redone at half the batch; the cgroup never fails an allocation (with
+the swap file it swaps instead). The worker records the sizes each step
+tried (``tried``) and the arena's refusals (``arena_ooms``), which show it.
+The limit rises once the first step is done, while the second may already
+have begun under the old one.
 
 Targets (figures, not timed tests):
 
@@ -24,6 +42,10 @@ Targets (figures, not timed tests):
   of its RSS or less; it never plans below half the size (a) chose;
 - (c) it grows back to the whole batch within grow_after + 2 steps (a run
   that never does is OVER);
+- (d) its first step ran out of memory at the whole batch (FAIL where it
+  did not: the scenario did not happen), and it is back to the whole batch
+  within 2 steps of the rise (a run that never gets there is OVER), though
+  the whole batch failed under the lower limit;
 - at every step boundary, the arena's reserved bytes are at most 1.25x the
   recent peak allocated, plus 64 MiB.
 
@@ -55,16 +77,21 @@ TITLE = "pressure: ViT-S/16 + LoRA under a memory cgroup with swap, the limit ch
 GROW_AFTER = 8   # Guard's default
 TARGETS = {"a_throughput": 4.0, "b_settle_steps": 2, "b_throughput": 0.9,
            "b_faults": 0.01, "b_swap_share": 0.05, "b_min_micro": 0.5,
-           "c_steps": GROW_AFTER + 2, "boundary_factor": 1.25, "boundary_slack": 64 * MiB}
+           "c_steps": GROW_AFTER + 2, "d_steps": 2, "boundary_factor": 1.25,
+           "boundary_slack": 64 * MiB}
 
 #: limit (a) and after the drop, limit before it and after the rise, swap
 #: file, steps of (a), steps before the drop, after it, after the rise, the
-#: plain loop's time cap
+#: plain loop's time cap; (d): its limit before the rise (the whole batch
+#: runs out of memory under it, and the next size down does not: QUICK's
+#: lower limit starts at HIGH and quarters the batch before any step), its
+#: steps under it, then after the rise (to ``high``)
 FULL = {"model": workload.VIT_S16, "limit": 2200 * MiB, "high": 5000 * MiB,
-        "swap": 4 << 30, "a_steps": 8, "pre": 4, "post": 10, "rise": 12, "plain_max_s": 100}
+        "swap": 4 << 30, "a_steps": 8, "pre": 4, "post": 10, "rise": 12, "plain_max_s": 100,
+        "d_limit": 2200 * MiB, "d_pre": 1, "d_post": 5}
 QUICK = {"model": workload.Model(img=112, batch=64), "limit": 900 * MiB,
          "high": 3000 * MiB, "swap": 2 << 30, "a_steps": 3, "pre": 2, "post": 4, "rise": 4,
-         "plain_max_s": 30}
+         "plain_max_s": 30, "d_limit": 1300 * MiB, "d_pre": 1, "d_post": 3}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +118,9 @@ def _run(benchmark, figures: Figures, settings: dict, mode: str, scenario: str) 
     s = settings
     if scenario == "a":
         limit, schedule, steps = s["limit"], [], s["a_steps"]
+    elif scenario == "d":
+        limit, steps = s["d_limit"], s["d_pre"] + s["d_post"]
+        schedule = [(s["d_pre"] - 1, s["high"])]
     else:
         drop = s["pre"] - 1
         rise = drop + s["post"]
@@ -105,7 +135,8 @@ def _run(benchmark, figures: Figures, settings: dict, mode: str, scenario: str) 
     fig = {"mode": mode, "scenario": scenario, "steps": r.steps, "schedule": r.schedule,
            "killed": r.killed, "stopped_by_time": r.stopped_by_time,
            "returncode": r.returncode, "batch": s["model"].batch,
-           "limit": s["limit"], "high": s["high"], "pre": s["pre"], "post": s["post"]}
+           "limit": s["limit"], "high": s["high"], "pre": s["pre"], "post": s["post"],
+           "d_limit": s["d_limit"], "d_pre": s["d_pre"]}
     if mode == "memguard" and r.returncode != 0:
         pytest.fail(f"memguard's run failed (status {r.returncode}):\n{r.stderr}")
     benchmark.extra_info.update(steps_done=len(r.steps), killed=r.killed)
@@ -123,6 +154,12 @@ def test_limit_lowered_then_raised(benchmark, figures: Figures, settings: dict, 
                                    mode: str) -> None:
     """(b) and (c): above the need, lowered below it mid-run, raised again."""
     _run(benchmark, figures, settings, mode, "bc")
+
+
+def test_oom_at_start_then_raised(benchmark, figures: Figures, settings: dict, swap) -> None:
+    """(d): out of memory at the whole batch in the first step, then the
+    limit raised well above the whole batch's need (memguard alone)."""
+    _run(benchmark, figures, settings, "memguard", "d")
 
 
 # ------------------------------------------------------------------ summary
@@ -174,6 +211,11 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
                                                      pb["stopped_by_time"] else ""))
     if mb:
         data.update(_memguard_bc(mb, a_s, a_micro, lines, per_test))
+    md = by.get(("memguard", "d"))
+    if md:
+        d, v = _memguard_d(md, lines, per_test)
+        data["d"] = d
+        data.setdefault("verdict", {}).update(v)
     return lines, data, per_test
 
 
@@ -254,6 +296,36 @@ def _memguard_bc(mb: dict, a_s: float | None, a_micro: int | None, lines: list[s
     per_test[mb["nodeid"]] = {"settle_steps": settle, "throughput_vs_a": tp,
                               "steps_to_full_after_rise": grown}
     return {"b": b, "c": c, "boundary_worst": worst, "boundary_over": bad, "verdict": v}
+
+
+def _memguard_d(md: dict, lines: list[str], per_test: dict) -> tuple[dict, dict]:
+    """(d)'s figures and verdicts: whether its first step ran out of memory
+    at the whole batch, and how many steps after the rise it is whole again."""
+    pre, full, steps = md["d_pre"], md["batch"], md["steps"]
+    after_rise = steps[pre:]
+    first = steps[0] if steps else {}
+    tried = first.get("tried") or []
+    oom = bool(tried) and tried[0] >= full and first.get("micro", full) < full
+    grown = next((i + 1 for i, s in enumerate(after_rise) if s["micro"] >= full), None)
+    v = {"d_oom_at_start": "PASS" if oom else "FAIL" if steps else "-",
+         "d_steps": _never(grown, TARGETS["d_steps"], bool(after_rise))}
+    lines.append(f"(d) memguard  limit {md['d_limit'] / MiB:,.0f} MiB {_steps_line(steps[:pre])} | "
+                 f"after the rise to {md['high'] / MiB:,.0f} MiB {_steps_line(after_rise)}")
+    refused = first.get("arena_ooms")
+    how = "" if refused is None else f"; {refused} refusal(s) by memguard's arena budget"
+    start = (f"out of memory at {', '.join(map(str, tried))}, redone at {first.get('micro')}"
+             f"{how}" if oom else
+             f"no out-of-memory error at the whole batch ({full}): tried "
+             f"{', '.join(map(str, tried)) or 'nothing'}, ran at {first.get('micro', '-')} "
+             f"(the planner's reason: {first.get('reason', '-')}; 'high' or 'critical': "
+             "pressure before any step, such as the host's stalls), the scenario did not "
+             "happen")
+    lines.append(f"(d) first step: {start}  {v['d_oom_at_start']}")
+    back = ("never back to the whole batch after the rise" if grown is None and after_rise
+            else f"whole batch again {fmt(grown, 'd')} step(s) after the rise")
+    lines.append(f"(d) {back} (target <= {TARGETS['d_steps']} steps)  {v['d_steps']}")
+    per_test[md["nodeid"]] = {"oom_at_start": oom, "steps_to_full_after_rise": grown}
+    return {"oom_at_start": oom, "tried": tried, "steps_to_full": grown}, v
 
 
 if __name__ == "__main__":

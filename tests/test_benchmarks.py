@@ -51,10 +51,15 @@ def test_suite_is_collected_from_the_benchmarks_directory(tmp_path) -> None:
                    "benchmarks/bench_sampler.py::test_sampler_thread[100]",
                    "benchmarks/bench_cuda.py::test_cuda_budget_held",
                    "benchmarks/bench_pressure.py::test_limit_lowered_then_raised[memguard]",
-                   "benchmarks/bench_gpu_pressure.py::test_mid_run[freed]"):
+                   "benchmarks/bench_gpu_pressure.py::test_mid_run[freed]",
+                   "benchmarks/bench_pressure.py::test_oom_at_start_then_raised"):
         assert wanted in ids, sorted(ids)
-    # and `make test` (plain pytest) does not run them: tests/ is the only test path
-    out = run_bench(tmp_path, "--collect-only", "-q")
+    # and `make test` (plain pytest) does not run them: tests/ is the only test
+    # path. Every module of tests/ but this one is left out of the collection
+    # (they would take seconds to import); a test path that held benchmarks/
+    # would still bring its modules in.
+    out = run_bench(tmp_path, "--collect-only", "-q", "--ignore-glob=tests/test_[!b]*.py",
+                    "--ignore-glob=tests/test_b[!e]*.py")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
     assert "tests/test_benchmarks.py::test_suite_is_collected_from_the_benchmarks_directory" \
@@ -69,7 +74,7 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
         "benchmarks/bench_cpu_allocator.py::test_step[vit-b8-memguard-inprocess]",
         "benchmarks/bench_throttle.py::test_overhead",
         "benchmarks/bench_throttle.py::test_oom_step",
-        "benchmarks/bench_throttle.py::test_constrained[unconstrained]",
+        # (memguard's rounds are paired with unconstrained runs of their own)
         "benchmarks/bench_throttle.py::test_constrained[memguard]",
         "benchmarks/bench_sampler.py::test_sampler_thread[10]",
         "benchmarks/bench_cuda.py",
@@ -233,22 +238,34 @@ def test_cpu_allocator_summary_judges_each_target(faults, rss, step, want) -> No
     assert got == dict({k: "PASS" for k in bench.TARGETS}, **want), data
 
 
-def _pressure_step(i, s, micro, faults=0, swap=0, peak=1000 * MiB, boundary=1000 * MiB):
-    """One step of a made-up bench_pressure run."""
+def _pressure_step(i, s, micro, faults=0, swap=0, peak=1000 * MiB, boundary=1000 * MiB,
+                   tried=()):
+    """One step of a made-up bench_pressure run (``tried``: the sizes that
+    ran out of memory in it)."""
     return {"step": i, "seconds": s, "micro": micro, "major_faults": faults,
             "swap_bytes": swap, "rss_bytes": 2000 * MiB, "peak_bytes": peak,
-            "boundary_reserved_bytes": boundary}
+            "boundary_reserved_bytes": boundary, "tried": list(tried),
+            "arena_ooms": len(tried)}
+
+
+def _oom_start(*micros: int) -> list[dict]:
+    """(d)'s steps: out of memory at the whole batch (32) in step 0, redone
+    at 16, then ``micros`` (step 1 the last under the lower limit)."""
+    return [_pressure_step(0, 8.0, 16, tried=[32])] + \
+        [_pressure_step(i, 4.0, m) for i, m in enumerate(micros, 1)]
 
 
 def _pressure_runs(post: list | None = None, rise: list | None = None,
-                   plain_s: float = 20.0) -> list[dict]:
+                   plain_s: float = 20.0, d: list | None = None) -> list[dict]:
     """Made-up bench_pressure runs: (a) 4 steps of plain at ``plain_s``,
     memguard at 4 s; (b) the drop after step 1, then the six post-drop
     ``post`` steps (by default two slow steps, then (a)'s speed); (c) the
-    ``rise`` steps (by default the whole batch one step after the rise)."""
+    ``rise`` steps (by default the whole batch one step after the rise);
+    (d) the steps ``d``, the limit raised after the first (by default out of
+    memory at 32 in it, 16 in the next, then the whole batch)."""
     step = _pressure_step
     common = {"batch": 32, "limit": 2200 * MiB, "high": 5000 * MiB, "pre": 2, "post": 6,
-              "killed": False, "stopped_by_time": False}
+              "killed": False, "stopped_by_time": False, "d_limit": 2200 * MiB, "d_pre": 1}
     a_plain = dict(common, mode="plain", scenario="a", nodeid="a-plain",
                    steps=[step(i, plain_s, 32) for i in range(4)])
     a_mg = dict(common, mode="memguard", scenario="a", nodeid="a-mg",
@@ -260,7 +277,9 @@ def _pressure_runs(post: list | None = None, rise: list | None = None,
         rise = [step(8, 4.0, 16), step(9, 6.0, 32), step(10, 4.0, 32)]
     b_mg = dict(common, mode="memguard", scenario="bc", nodeid="bc-mg",
                 steps=[step(0, 6.0, 32), step(1, 4.0, 32)] + post + rise)
-    return [a_plain, a_mg, b_mg]
+    d_mg = dict(common, mode="memguard", scenario="d", nodeid="d-mg",
+                steps=_oom_start(16, 32, 32, 32) if d is None else d)
+    return [a_plain, a_mg, b_mg, d_mg]
 
 
 def test_pressure_summary_judges_each_target_from_the_steps() -> None:
@@ -276,6 +295,12 @@ def test_pressure_summary_judges_each_target_from_the_steps() -> None:
     assert v["b_swap_share"] == "PASS" and v["b_min_micro"] == "PASS"
     assert data["c"]["steps_to_full"] == 2 and v["c_steps"] == "PASS"
     assert v["boundary"] == "PASS" and per_test["bc-mg"]["settle_steps"] == 2
+    # (d): out of memory at 32 in step 0; 32 again at the second step after the rise
+    assert data["d"] == {"oom_at_start": True, "tried": [32], "steps_to_full": 2}
+    assert v["d_oom_at_start"] == "PASS" and v["d_steps"] == "PASS"
+    assert per_test["d-mg"] == {"oom_at_start": True, "steps_to_full_after_rise": 2}
+    assert "(d) first step: out of memory at 32, redone at 16; 1 refusal(s) by memguard's " \
+        "arena budget  PASS" in lines
     assert set(v.values()) == {"PASS"}
     assert any("(a) memguard / plain throughput 5.00x" in ln and ln.endswith("PASS")
                for ln in lines)
@@ -309,6 +334,14 @@ def _slow_post(seconds, micro=16, faults=(0,) * 6, swap=0) -> list[dict]:
     ("boundary", {"rise": [_pressure_step(8, 4.0, 16), _pressure_step(9, 4.0, 32),
                             _pressure_step(10, 4.0, 32, boundary=1400 * MiB)]},
      {"boundary": "OVER"}),
+    # (d), the user's story: the size that failed under 2200 MiB stays a
+    # ceiling after the rise, the rest of the run at 16
+    ("d-stuck", {"d": _oom_start(16, 16, 16, 16)}, {"d_steps": "OVER"}),
+    # whole again, but three steps after the rise
+    ("d-late", {"d": _oom_start(16, 16, 32, 32)}, {"d_steps": "OVER"}),
+    # no error at the whole batch: it started smaller (the scenario did not happen)
+    ("d-no-oom", {"d": [_pressure_step(0, 4.0, 16)] + _oom_start(16, 32)[1:]},
+     {"d_oom_at_start": "FAIL"}),
 ])
 def test_pressure_summary_fails_each_missed_target(case: str, runs: dict, want: dict) -> None:
     """A made-up run that misses one target (or a few): those verdicts, and
@@ -323,6 +356,13 @@ def test_pressure_summary_fails_each_missed_target(case: str, runs: dict, want: 
         assert data["b"]["throughput_ratio"] == pytest.approx(4 / 9)
     if case == "no-growth":
         assert any(ln.startswith("(c) never back to the whole batch") for ln in lines)
+    if case == "d-stuck":
+        assert data["d"]["steps_to_full"] is None
+        assert "(d) never back to the whole batch after the rise (target <= 2 steps)  OVER" \
+            in lines
+    if case == "d-no-oom":
+        assert any(ln.startswith("(d) first step: no out-of-memory error at the whole batch")
+                   and ln.endswith("FAIL") for ln in lines), lines
 
 
 def _cuda_rec(mode: str, budget: int = 0, **kw) -> dict:

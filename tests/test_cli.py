@@ -91,13 +91,13 @@ def test_demo_side_by_side_under_a_limit(tmp_path):
     why = limits.unavailable(swap=False)
     if why:
         pytest.skip(f"no memory cgroup here: {why}")
-    out = run("demo", "--steps", "3", "--limit", "1000MiB", "--plain-seconds", "60",
+    out = run("demo", "--steps", "2", "--limit", "1000MiB", "--plain-seconds", "60",
               "--out", str(tmp_path), timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((tmp_path / "demo-summary.json").read_text())
     plain, mg = summary["runs"]
     assert summary["cgroup"] and plain["mode"] == "plain" and mg["mode"] == "memguard"
-    assert mg["done"] == 3 and mg["end"] == "done"
-    assert plain["killed"] or plain["done"] < 3 or "stopped" in plain["end"]
+    assert mg["done"] == 2 and mg["end"] == "done"
+    assert plain["killed"] or plain["done"] < 2 or "stopped" in plain["end"]
     _, samples, _ = read_jsonl(tmp_path / "demo-memguard.jsonl")
     assert max(s.footprint_bytes for s in samples) <= 1000 * 2**20

@@ -116,7 +116,8 @@ def test_dinov3_lora_cpu(tmp_path):
     whole set under guard.evaluate(), and its memory does not grow with the
     predictions kept: they hold their values only, and validations at one
     micro-batch size peak alike."""
-    s = run_example("dinov3_lora_cpu", tmp_path, *ONE_THREAD)
+    # 8 steps, two validations (--quick: 12, three)
+    s = run_example("dinov3_lora_cpu", tmp_path, "--steps", "8", *ONE_THREAD)
     check_common(s)
     assert s["effective_batches"] == [32] * s["steps"]
     assert s["ooms_recovered"] >= 1                       # the whole batch does not fit
@@ -163,7 +164,7 @@ def _check_pairs(s: dict) -> None:
 def test_dual_cross_attention(tmp_path):
     """The whole batch of pairs does not fit: the step is redone in even
     micro-batches, and the effective batch stays 16."""
-    s = run_example("dual_cross_attention", tmp_path, *ONE_THREAD)
+    s = run_example("dual_cross_attention", tmp_path, "--steps", "6", *ONE_THREAD)
     check_common(s)
     _check_pairs(s)
     assert s["ooms_recovered"] >= 1
@@ -173,7 +174,9 @@ def test_dual_cross_attention(tmp_path):
 def test_dual_cross_attention_checkpoint_switch(tmp_path):
     """With every block checkpointed the whole batch fits; once calm,
     memguard switches checkpointing off a quarter of the blocks at a time."""
-    s = run_example("dual_cross_attention", tmp_path, "--checkpoint-blocks", "4", *ONE_THREAD)
+    # the first quarter goes off after grow_after (8) calm steps: 10 leave two to spare
+    s = run_example("dual_cross_attention", tmp_path, "--checkpoint-blocks", "4", "--steps", "10",
+                    *ONE_THREAD)
     _check_pairs(s)
     assert s["steps_done"] == s["steps"]
     ck = s["checkpointed_blocks"]

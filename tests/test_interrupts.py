@@ -245,26 +245,30 @@ def _memguard_lines(sig: int, at: int) -> tuple:
 @pytest.mark.parametrize("interrupt", ["SIGINT"], indirect=True)   # SIGTERM: the tests above
 def test_a_signal_at_any_line_of_a_step_leaves_it_rolled_back_or_committed(interrupt):
     """Line by line through a whole step split into 4: wherever the signal
-    lands, the step ends rolled back (state and count as before) or
-    committed (the uninterrupted step's state, counted once), and the next
-    step runs: no interrupt leaves the guard's loop taken (it did, landing
-    in the step's entry: every later step raised that steps do not nest)."""
+    lands, it comes out of the step, which ends rolled back (state and count
+    as before) or committed (the uninterrupted step's state, counted once),
+    and the next step runs: no interrupt leaves the guard's loop taken (it
+    did, landing in the step's entry: every later step raised that steps do
+    not nest). One guard goes through every interrupt in turn, the model and
+    optimizer put back to the same state before each: what one interrupt
+    left behind would show in the next."""
     sig, exc = interrupt
     kind, micro = "adamw-single", 4
     data = batches(2)
     model, opt = make(kind)
-    Guard(budget=None, micro_batch=micro, allocator=False).step(
-        data[0], loss_of(model), opt, restore=[model])
+    g = Guard(budget=None, micro_batch=micro, allocator=False)
+    g.step(data[0], loss_of(model), opt, restore=[model])
     before = state_of(model, opt)
     after = committed(kind, before, data[1], micro)
     outcomes: dict[str, int] = {}
     at = 0
     while True:
         at += 1
-        model, opt = make(kind)
-        g = Guard(budget=None, micro_batch=micro, allocator=False)
-        g.step(data[0], loss_of(model), opt, restore=[model])
+        model.load_state_dict(before[0])
+        opt.load_state_dict(copy.deepcopy(before[1]))   # it keeps the tensors it is given
+        steps = g.steps
         tracer, seen = _memguard_lines(sig, at)
+        raised = False
         try:
             sys.settrace(tracer)
             try:
@@ -272,8 +276,9 @@ def test_a_signal_at_any_line_of_a_step_leaves_it_rolled_back_or_committed(inter
             finally:
                 sys.settrace(None)
         except exc:
-            pass
-        outcome = judge(g, 1, before, after, state_of(model, opt))
+            raised = True
+        assert raised == (seen[0] >= at), at            # the signal sent comes out
+        outcome = judge(g, steps, before, after, state_of(model, opt))
         assert outcome != "mixed", at
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         g.step(data[1] if outcome == "rolled back" else data[0], loss_of(model), opt,

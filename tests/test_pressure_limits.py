@@ -86,27 +86,31 @@ def test_memory_limit_is_removed_with_a_process_still_in_it() -> None:
 
 
 def test_a_run_follows_its_limit_down_and_back_up(swap) -> None:
-    """The limit falls from 3000 to 900 MiB after step 1, under the running
-    process, and rises again after step 6. memguard meets the drop with one
-    decision at the next boundary, from its model of the step's peak and the
-    live budget (not one halving a step); no step is lost; the cache follows
-    the room; when the limit rises, the whole batch comes back at once."""
-    r = workload.run("memguard", 3000 * MiB, [(1, 900 * MiB), (6, 3000 * MiB)], steps=12,
+    """The limit falls from 3000 to 900 MiB after step 0, under the running
+    process (step 1 was under way), and rises again after step 4. memguard
+    meets the drop with one decision at the next boundary, from its model of
+    the step's peak and the live budget (not one halving a step); no step is
+    lost; the cache follows the room; when the limit rises, the whole batch
+    comes back at once."""
+    r = workload.run("memguard", 3000 * MiB, [(0, 900 * MiB), (4, 3000 * MiB)], steps=8,
                      model=SMALL, timeout_s=600)
     assert r.returncode == 0, r.stderr
     steps = r.steps
-    assert [s["step"] for s in steps] == list(range(12))       # every step done
-    assert [s["micro"] for s in steps[:2]] == [64, 64]
-    drop = steps[2:7]
+    assert [s["step"] for s in steps] == list(range(8))        # every step done
+    drop = steps[1:5]
+    sizes = [s["micro"] for s in drop]
+    # the whole batch while the room lasts: step 1 too, unless its boundary
+    # already saw the new limit (it began as the limit fell)
+    assert steps[0]["micro"] == 64
+    assert sizes[0] == 64 or drop[0]["budget_bytes"] <= 900 * MiB, drop[0]
     # the live budget saw the cgroup's new limit, and the plan followed it
     assert all(s["source"] == "cgroup" and s["budget_bytes"] <= 900 * MiB for s in drop[1:])
-    sizes = [s["micro"] for s in drop]
     assert sizes[1] < 32, sizes          # met at the next boundary, past a mere halving
     assert len(set(sizes[2:])) == 1, sizes                      # and settled after it
     assert min(sizes) >= 8, sizes                               # not down to the minimum
     assert all(s["arena_budget_bytes"] < 900 * MiB for s in drop[1:])
-    # the limit rose after step 6: the next boundary that sees it grows back
-    rise = steps[7:]
+    # the limit rose after step 4: the next boundary that sees it grows back
+    rise = steps[5:]
     assert rise[-1]["micro"] == 64 and any(s["micro"] == 64 for s in rise[:3]), \
         [s["micro"] for s in rise]
     worst, over = workload.boundary_bound(steps)

@@ -270,7 +270,7 @@ def worker(argv: list[str] | None = None) -> int:
             room = guard.room.last
             st = _C.arena_stats()
             rec.update(micro=res.micro_batch, n_micro=res.n_micro, retries=res.retries,
-                       loss=res.loss, peak_bytes=res.peak_bytes, reason=guard.plan()["reason"],
+                       tried=res.tried, arena_ooms=st["num_ooms"], loss=res.loss, peak_bytes=res.peak_bytes, reason=guard.plan()["reason"],
                        budget_bytes=room.budget_bytes, source=room.source,
                        arena_budget_bytes=room.arena_budget_bytes,
                        boundary_reserved_bytes=room.reserved_bytes,
@@ -290,5 +290,14 @@ def worker(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _end(status: int) -> None:
+    """End the worker once its steps are out: the driver reads nothing
+    after its last line, and Python's finalization with torch imported
+    takes about a second of CPU, a second each run would wait for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(worker())
+    _end(worker())
