@@ -8,7 +8,8 @@
    steps; each round is paired with a plain step just before or just after
    it (alternating), and the figure is the median of the paired ratios, so
    it holds what the guard costs around the step as well as in it. Target:
-   at most 1.02.
+   at most 1.01 (a CPU step; on a GPU, bench_gpu_pressure's no-pressure
+   scenario holds it to 1.02).
 2. A constrained run: a small transformer trained on batches of 64 whose
    sequence length varies (16 tokens, every fourth batch 64), under a tensor
    budget of half what a full long batch needs (memguard's arena enforces
@@ -64,7 +65,7 @@ BATCH = 64
 DIM, HEADS, FF, DEPTH, CLASSES = 256, 4, 1024, 4, 10
 SHORT, LONG = 16, 64
 SECTION = "throttle"
-TARGETS = {"overhead": 1.02, "constrained_throughput": 0.7, "oom_cost": 1.5}
+TARGETS = {"overhead": 1.01, "constrained_throughput": 0.7, "oom_cost": 1.5}
 MODES = ["unconstrained", "plain", "accelerate", "memguard"]
 
 #: rounds of each part: (overhead steps, constrained steps, constrained runs,
