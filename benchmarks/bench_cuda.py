@@ -49,7 +49,7 @@ import time
 
 import pytest
 
-from benchlib import Figures, Worker, fmt, median, ratio, serve, verdict
+from benchlib import Figures, Worker, fmt, median, ratio, require_cuda, serve, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -204,14 +204,7 @@ TITLE = "CUDA allocator: memguard's against PyTorch's native one"
 
 @pytest.fixture(scope="module")
 def cuda(figures: Figures) -> None:
-    try:
-        import torch
-        available = torch.cuda.is_available()
-    except ImportError:
-        available = False
-    if not available:
-        figures.skip(SECTION, TITLE, NOT_MEASURED)
-        pytest.skip(NOT_MEASURED)
+    require_cuda(figures, SECTION, TITLE, NOT_MEASURED)
 
 
 @pytest.fixture(scope="module")

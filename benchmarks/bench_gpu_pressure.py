@@ -72,6 +72,7 @@ from benchlib import (
     paired_median,
     pedantic_paired,
     ratio,
+    require_cuda,
     serve,
     verdict,
 )
@@ -335,14 +336,7 @@ def trainer_worker(mode: str, n_micro: int = 1, telemetry: str = "", **s: Any) -
 # ------------------------------------------------------------- benchmarks
 @pytest.fixture(scope="module")
 def gpu(figures: Figures) -> None:
-    try:
-        import torch
-        available = torch.cuda.is_available()
-    except ImportError:
-        available = False
-    if not available:
-        figures.skip(SECTION, TITLE, NOT_MEASURED)
-        pytest.skip(NOT_MEASURED)
+    require_cuda(figures, SECTION, TITLE, NOT_MEASURED)
 
 
 def parse_settings(base: dict, text: str | None) -> dict:

@@ -259,3 +259,18 @@ class Figures:
                 why = self.not_measured[name]
                 out[name] = ([why], {"measured": False, "reason": why}, {})
         return out
+
+
+def require_cuda(figures: Figures, section: str, title: str, why: str) -> None:
+    """Skip the benchmark (its section saying ``why``) where torch has no
+    CUDA device, or no torch at all."""
+    import pytest
+
+    try:
+        import torch
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if not available:
+        figures.skip(section, title, why)
+        pytest.skip(why)

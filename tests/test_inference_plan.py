@@ -20,13 +20,7 @@ N = 64
 CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op thread handoffs would cost more than the ops."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hog(sizes: list[int]):

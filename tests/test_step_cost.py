@@ -27,12 +27,7 @@ GIB = 1 << 30
 READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Reads(TorchDispatchMode):

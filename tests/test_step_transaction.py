@@ -33,12 +33,8 @@ OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 by
 BATCH, STEPS = 16, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny tensors: intra-op thread handoffs would cost more than the ops
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 WIDE = 16    # hidden width; the optimizer tests widen it to make the update's bytes count
