@@ -95,7 +95,9 @@ def test_training_after_a_refused_inference_runs_at_its_own_size(arena, tmp_path
     run = scan(path)                     # memguard report: steps apart from the inference
     summary = run.summary(path)
     assert (summary.steps, summary.micro_batch_changes, summary.ooms_recovered) == (5, 0, 0)
-    assert len(run.event_lines["infer_plan"]) == 3
+    # every inference decision drawn (pressure on a busy host may add one)
+    assert len(run.event_lines["infer_plan"]) == \
+        sum(e["event"] == "infer_plan" for e in events) >= 3
 
 
 def test_an_inference_oom_leaves_the_training_plan_its_ceiling_and_model(arena):
@@ -146,7 +148,14 @@ def test_infer_shrinks_for_a_room_that_fell_before_running_out(arena, tmp_path):
             pytest.skip(guard.allocator_error)
         guard.infer(x, hog(sizes))
         assert sizes == [N]
-        guard.room.tensor_budget = memguard.stats()["allocated_bytes.current"] + 24 * MiB
+        # the free part of slabs other tensors keep counts against the
+        # budget, not in the peaks (here the slabs of 12,000 small tensors,
+        # one in 32 kept): the room is 24 MiB above both
+        kept = [torch.empty(1000) for _ in range(12000)][::32]
+        st = memguard.stats()
+        assert st["reserved_bytes.current"] - st["cached_bytes"] > \
+            st["allocated_bytes.current"] + 8 * MiB
+        guard.room.tensor_budget = st["reserved_bytes.current"] - st["cached_bytes"] + 24 * MiB
         sizes.clear()
         refused = allocator.stats()["num_ooms"]
         out = guard.infer(x, hog(sizes))
@@ -154,6 +163,7 @@ def test_infer_shrinks_for_a_room_that_fell_before_running_out(arena, tmp_path):
         assert guard.ooms_recovered == 0 and allocator.stats()["num_ooms"] == refused
         assert sum(sizes) == N and max(sizes) < 24
         assert allocator.stats()["budget_bytes"] == guard.room.tensor_budget   # 64 MiB did not fit
+        del kept
     _, _, events = read_jsonl(path)
     infer = [e for e in events if e["event"] == "infer_plan"]
     # (HIGH, where the host itself runs short, shrinks to the same fit)

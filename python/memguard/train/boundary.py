@@ -100,10 +100,15 @@ class Boundary:
 
     def budget_of(self, source: str, budget: int) -> int:
         """The budget of what peaks from ``source`` measure: the arena's
-        (the room the live budget leaves tensors) when it serves them, the
-        device's for CUDA, the process's ``budget`` for RSS."""
+        (the room the live budget leaves tensors) when it serves them, less
+        what it holds that is neither allocated nor cached (the free part of
+        slabs other tensors keep: the budget counts it, the peaks do not);
+        the device's for CUDA; the process's ``budget`` for RSS."""
         if source == "arena":
-            return int(arena.stats()["budget_bytes"])
+            st = arena.stats()
+            stuck = st["reserved_bytes.current"] - st["allocated_bytes.current"] - \
+                st["cached_bytes"]
+            return max(0, int(st["budget_bytes"]) - max(0, int(stuck)))
         if source == "cuda":
             gov = self.signals.governor
             return 0 if gov is None else \
