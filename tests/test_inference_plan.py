@@ -148,13 +148,9 @@ def test_infer_shrinks_for_a_room_that_fell_before_running_out(arena, tmp_path):
             pytest.skip(guard.allocator_error)
         guard.infer(x, hog(sizes))
         assert sizes == [N]
-        # the free part of slabs other tensors keep counts against the
-        # budget, not in the peaks (here the slabs of 12,000 small tensors,
-        # one in 32 kept): the room is 24 MiB above both
-        kept = [torch.empty(1000) for _ in range(12000)][::32]
+        # the free part of slabs other tests' tensors keep counts against
+        # the budget, not in the peaks: the room is 24 MiB above both
         st = memguard.stats()
-        assert st["reserved_bytes.current"] - st["cached_bytes"] > \
-            st["allocated_bytes.current"] + 8 * MiB
         guard.room.tensor_budget = st["reserved_bytes.current"] - st["cached_bytes"] + 24 * MiB
         sizes.clear()
         refused = allocator.stats()["num_ooms"]
@@ -163,7 +159,6 @@ def test_infer_shrinks_for_a_room_that_fell_before_running_out(arena, tmp_path):
         assert guard.ooms_recovered == 0 and allocator.stats()["num_ooms"] == refused
         assert sum(sizes) == N and max(sizes) < 24
         assert allocator.stats()["budget_bytes"] == guard.room.tensor_budget   # 64 MiB did not fit
-        del kept
     _, _, events = read_jsonl(path)
     infer = [e for e in events if e["event"] == "infer_plan"]
     # (HIGH, where the host itself runs short, shrinks to the same fit)

@@ -108,7 +108,8 @@ class Boundary:
             st = arena.stats()
             stuck = st["reserved_bytes.current"] - st["allocated_bytes.current"] - \
                 st["cached_bytes"]
-            return max(0, int(st["budget_bytes"]) - max(0, int(stuck)))
+            budget = int(st["budget_bytes"])   # 0: none; else at least 1 (0 is "none")
+            return budget and max(1, budget - max(0, int(stuck)))
         if source == "cuda":
             gov = self.signals.governor
             return 0 if gov is None else \
