@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from memguard.integrations.lightning import MemGuardCallback, MemGuardModule
+from memguard.lightning import MemGuardCallback, MemGuardModule
 
 MAX_PEAKS = 64
 

@@ -181,3 +181,22 @@ def test_an_inference_that_cannot_fit_gets_inference_advice():
            "the budget (an inference runs one micro-batch at a time" in msg
     assert guard.plan()["ooms"] == 0
     assert "checkpoint activations" in str(GuardOOMError([8], 1))     # a step's advice
+
+
+def test_a_smallest_size_refused_by_memguards_budget_goes_on_past_it(arena):
+    """One sample needs more than memguard's tensor budget (the machine
+    has it): the inference goes on past the budget at the smallest size,
+    reported as an overrun when the loop ends, where giving up would end
+    a run the plain loop finishes. A refusal that is not the budget's still
+    gives up (test above)."""
+    room = memguard.stats()["reserved_bytes.current"] + MiB // 2      # less than one sample
+    with Guard(budget=None, tensor_budget=room, min_micro_batch=1) as guard:
+        if guard.allocator_error is not None:
+            pytest.skip(guard.allocator_error)
+        x, sizes = torch.randn(4, 4), []
+        with pytest.warns(memguard.BudgetOverrunWarning, match="passed the tensor budget"), \
+                guard.evaluate():
+            out = guard.infer(x, hog(sizes))
+        torch.testing.assert_close(out, MiB // 4 + x[:, 0])
+        assert sizes == [4, 2, 1, 1, 1, 1, 1] and guard.inference.micro == 1
+        assert allocator.stats()["num_overruns"] > 0

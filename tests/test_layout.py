@@ -83,7 +83,17 @@ def test_the_data_path_shows_in_subpackages():
     for sub in SUBPACKAGES:
         assert (PACKAGE / sub / "__init__.py").is_file(), sub
     flat = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert flat == ["__init__.py", "__main__.py", "_common.py", "_options.py"], flat
+    assert flat == ["__init__.py", "__main__.py", "_common.py", "_options.py",
+                    "checkpoint.py", "lightning.py"], flat
+
+
+def test_the_short_names_only_reexport():
+    """memguard.lightning and memguard.checkpoint are the subpackages'
+    modules under short names: nothing of their own."""
+    for name in ("lightning", "checkpoint"):
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        kinds = {type(n).__name__ for n in tree.body}
+        assert kinds <= {"Expr", "ImportFrom", "Assign"}, (name, kinds)
 
 
 def test_common_imports_nothing_of_memguard():

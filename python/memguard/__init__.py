@@ -46,9 +46,10 @@ _LAZY = {
 }
 
 
-#: modules reached as attributes, loaded on first use (they need torch, Lightning)
-_MODULES = {"checkpoint": "memguard.train.checkpoint",
-            "lightning": "memguard.integrations.lightning"}
+#: modules reached as attributes or imported (``from memguard.lightning import
+#: MemGuardCallback``), loaded on first use (they need torch, Lightning)
+_MODULES = {"checkpoint": "memguard.checkpoint",
+            "lightning": "memguard.lightning"}
 
 
 def __getattr__(name: str):

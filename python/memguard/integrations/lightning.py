@@ -3,7 +3,7 @@ micro-batching.
 
 ::
 
-    from memguard.integrations.lightning import MemGuardCallback, MemGuardModule
+    from memguard.lightning import MemGuardCallback, MemGuardModule
 
     class Model(MemGuardModule, L.LightningModule):   # the mixin first
         def training_step(self, batch, batch_idx):     # unchanged
@@ -34,20 +34,36 @@ averaged over the micro-batches with their weights. An out-of-memory error
 inside the step redoes it at a smaller micro-batch; the run goes on. A
 ``training_step`` that returns ``None`` skips the batch, as in Lightning:
 the step is rolled back, on every rank alike under DDP.
+
+The class's ``validation_step``, ``test_step`` and ``predict_step`` (and
+Lightning's default ``predict_step``) run through :meth:`Guard.infer` on
+the inference plan: micro-batched where memory is short, under the
+``no_grad`` or ``inference_mode`` Lightning set, their ``self.log`` values
+logged once per batch as the unsplit step logs them (reduced by their
+``reduce_fx``, weighted by micro-batch size), and what they return joined
+as the unsplit step returns it (``memguard_combine`` sets the rules where
+the default does not fit). Memory is released when each validation, test
+or predict loop ends, with or without ``fit``.
 """
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar
 
 import torch
 
 try:
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone package
+    from pytorch_lightning import LightningModule  # type: ignore[no-redef]
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
 
 from memguard._common import MiB
+from memguard.train import outputs
 from memguard.train.batch import batch_size
 from memguard.train.guard import Guard
 from memguard.train.step import SkipStep, unpack
@@ -80,7 +96,29 @@ def _guard_of(trainer: Any) -> Guard | None:
     return None
 
 
-class MemGuardCallback(Callback):
+class _ReleaseAfterLoops(Callback):
+    """Releases memory when a validation, test or predict loop ends (the
+    sanity check's too), as :meth:`Guard.evaluate` does."""
+
+    def _guard_now(self) -> Guard | None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        guard = self._guard_now()
+        if guard is not None and guard.installed:
+            guard.release()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._release()
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._release()
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        self._release()
+
+
+class MemGuardCallback(_ReleaseAfterLoops):
     """Installs a :class:`memguard.Guard` for the run and logs its telemetry.
 
     Args:
@@ -128,6 +166,9 @@ class MemGuardCallback(Callback):
         # trial) skips teardown: the next fit in the process needs the guard gone
         self._end()
 
+    def _guard_now(self) -> Guard | None:
+        return self.guard
+
     def _end(self) -> None:
         self.guard.boundary.overruns.where = None
         self.guard.uninstall()
@@ -173,8 +214,34 @@ class MemGuardCallback(Callback):
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         if batch_idx % every:
             return
-        pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, logger=True,
-                           prog_bar=False, batch_size=1)
+        pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False,
+                           logger=bool(trainer.loggers), prog_bar=False, batch_size=1)
+
+    def eval_metrics(self, stage: str) -> tuple[dict[str, float], dict[str, float]]:
+        """What an evaluation loop logs (``stage``: ``val`` or ``test``),
+        over the loop: the smallest micro-batch of the inference plan, and
+        the largest RSS and pressure level."""
+        g = self.guard
+        smallest = {f"memguard/{stage}_micro_batch": float(g.inference.micro)}
+        largest = {f"memguard/{stage}_{k.partition('/')[2]}": v
+                   for k, v in self.metrics().items()
+                   if k in ("memguard/rss_mib", "memguard/pressure_level")}
+        return smallest, largest
+
+    def _log_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        smallest, largest = self.eval_metrics(stage)
+        for values, reduce in ((smallest, "min"), (largest, "max")):
+            pl_module.log_dict(values, on_step=False, on_epoch=True, reduce_fx=reduce,
+                               logger=bool(trainer.loggers), prog_bar=False, batch_size=1)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self._log_eval(trainer, pl_module, "val")
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._log_eval(trainer, pl_module, "test")
 
 
 class MemGuardModule:
@@ -190,6 +257,13 @@ class MemGuardModule:
         memguard_restore: names of attributes (modules or tensors) whose
             state the forward pass changes, restored before a step is redone
             (BatchNorm modules, queues).
+        memguard_combine: how a split ``validation_step``, ``test_step`` or
+            ``predict_step`` joins its micro-batches' outputs, by step name
+            (``{"validation_step": {"correct": "sum"}}``): the ``combine``
+            rules of :meth:`memguard.Guard.infer`. Without one, per-sample
+            values are concatenated, numbers and 0-d tensors averaged by
+            micro-batch size, other values kept where every micro-batch
+            returned the same.
 
     Override :meth:`memguard_post_step` to act once per batch on the
     concatenated ``aux`` of the micro-batches (EMA, queues, centering).
@@ -200,14 +274,24 @@ class MemGuardModule:
     memguard_clip_grad_norm: float | None = None
     memguard_restore: tuple[str, ...] = ()
 
+    memguard_combine: ClassVar[dict[str, Any]] = {}
+
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        # the class's own training_step, or the one it inherits (a
-        # MemGuardModule mixed into an existing LightningModule subclass)
-        user = getattr(cls, "training_step", None)
-        if user is not None and not getattr(user, "_memguard_wrapped", False):
-            cls._memguard_user_step = user
-            cls.training_step = _guarded_training_step
+        # the class's own steps, or the ones it inherits (a MemGuardModule
+        # mixed into an existing LightningModule subclass); Lightning's own
+        # validation_step and test_step are left alone (they mean "no such
+        # loop"), its predict_step (a forward) is guarded too
+        steps = dict(getattr(cls, "_memguard_steps", {}))
+        for name, guarded in _GUARDED.items():
+            user = getattr(cls, name, None)
+            if user is None or getattr(user, "_memguard_wrapped", False):
+                continue
+            if name != "predict_step" and user is getattr(LightningModule, name, None):
+                continue
+            steps[name] = user
+            setattr(cls, name, guarded)
+        cls._memguard_steps = steps
 
     # -- Lightning hooks -----------------------------------------------------
     @property
@@ -250,12 +334,15 @@ class MemGuardModule:
         return guard
 
 
-class _EndOwnGuard(Callback):
+class _EndOwnGuard(_ReleaseAfterLoops):
     """Ends the guard a MemGuardModule made for itself (no MemGuardCallback)
     with the run, however the run ends."""
 
     def __init__(self, module: Any) -> None:
         self.module = module
+
+    def _guard_now(self) -> Guard | None:
+        return self.module.__dict__.get("_memguard_own")
 
     def _end(self) -> None:
         guard = self.module.__dict__.pop("_memguard_own", None)
@@ -285,40 +372,87 @@ def _step_schedulers(module: Any, interval: str) -> None:
             cfg.scheduler.step()
 
 
+_REDUCE = {"mean": "mean", "sum": "sum", "max": "max", "min": "min",
+           torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
 class _LogCollector:
-    """``self.log`` calls inside the micro-batches, to be logged once."""
+    """``self.log`` calls inside a batch's micro-batches, to be logged once
+    per batch as the unsplit call would have logged them. A call that
+    raised leaves nothing (an out-of-memory error inside it)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, str, Any, dict, float]] = []   # (call, name, value, kw, w)
         self.call = 0
 
-    def values(self, n_micro: int) -> dict[str, tuple[Any, dict]]:
-        """Each name's weighted mean over the successful attempt's calls
-        (the last ``n_micro`` training_step calls)."""
-        first = self.call - n_micro
+    def run(self, module: Any, fn: Callable[[], Any], weight: Callable[[Any], float]) -> Any:
+        """``fn()`` with ``module.log`` collecting; the calls' values weigh
+        ``weight(out)`` where they give no ``batch_size``."""
+        first = len(self.calls)
+
+        def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
+            if a:
+                raise TypeError("inside a MemGuardModule's steps, pass self.log's options by "
+                                "keyword")
+            self.calls.append((self.call, name, value, kw, 1.0))
+
+        module.log = log
+        try:
+            out = fn()
+        except BaseException:
+            del self.calls[first:]
+            raise
+        finally:
+            del module.log
+        w = weight(out)
+        self.calls[first:] = [(c, n, v, kw, float(kw.get("batch_size", w)))
+                              for c, n, v, kw, _ in self.calls[first:]]
+        self.call += 1
+        return out
+
+    def values(self, n_calls: int) -> dict[str, tuple[Any, dict]]:
+        """Each name's value over the last ``n_calls`` calls (the attempt
+        that completed), reduced by its ``reduce_fx``: a mean weighted by
+        the micro-batches' weights (Lightning's default), a sum, a max or
+        a min; values that are not numbers, the last one. A ``batch_size``
+        given in the calls is logged as their sum (the whole batch's)."""
+        first = self.call - n_calls
         acc: dict[str, list] = {}
         for call, name, value, kw, w in self.calls:
-            if call < first:
-                continue
-            acc.setdefault(name, []).append((value, kw, w))
-        out = {}
-        for name, items in acc.items():
-            kw = items[-1][1]
-            tensors = [v for v, _, _ in items]
-            if all(isinstance(v, (torch.Tensor, int, float)) for v in tensors):
-                total = sum(w for _, _, w in items) or 1.0
-                mean = sum(torch.as_tensor(v, dtype=torch.float64).detach() * w
-                           for v, _, w in items) / total
-                out[name] = (mean.float(), kw)
-            else:
-                out[name] = (tensors[-1], kw)
-        return out
+            if call >= first:
+                acc.setdefault(name, []).append((value, kw, w))
+        return {name: _reduced(items) for name, items in acc.items()}
+
+
+def _reduced(items: list[tuple[Any, dict, float]]) -> tuple[Any, dict]:
+    """One name's logged values over the micro-batches, reduced (see
+    :meth:`_LogCollector.values`), and the options to log them with."""
+    kw = dict(items[-1][1])
+    values = [v for v, _, _ in items]
+    if "batch_size" in kw:
+        kw["batch_size"] = int(sum(w for _, _, w in items))
+    if not all(isinstance(v, (torch.Tensor, int, float)) for v in values):
+        return values[-1], kw
+    how = _REDUCE.get(kw.get("reduce_fx", "mean"), "mean")
+    t = [torch.as_tensor(v, dtype=torch.float64).detach() for v in values]
+    if how == "sum":
+        return sum(t).float(), kw
+    if how in ("max", "min"):
+        return (torch.stack(t).amax(0) if how == "max" else torch.stack(t).amin(0)).float(), kw
+    total = sum(w for _, _, w in items) or 1.0
+    return (sum(v * w for v, (_, _, w) in zip(t, items)) / total).float(), kw
+
+
+def _log_once(module: Any, logs: _LogCollector, n_calls: int, n: int) -> None:
+    """Log what the micro-batches logged, once for the batch of ``n``."""
+    for name, (value, kw) in logs.values(n_calls).items():
+        module.log(name, value, **{"batch_size": n, **kw})
 
 
 def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
                            **kwargs: Any) -> Any:
     guard = self.memguard
-    user = type(self)._memguard_user_step
+    user = type(self)._memguard_steps["training_step"]
     opt = self.optimizers()
     if isinstance(opt, list):
         raise TypeError("MemGuardModule steps one optimizer; configure_optimizers returned "
@@ -329,31 +463,12 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
         # synchronising backward after it; memguard synchronises the gradients
         ddp.require_backward_grad_sync = False
     logs = _LogCollector()
-    real_log = self.log
-
-    def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
-        if a:
-            raise TypeError("inside a MemGuardModule's training_step, pass self.log's options "
-                            "by keyword")
-        logs.calls.append((logs.call, name, value, kw, 1.0))   # weighed on return
 
     def loss_fn(micro: Any) -> Any:
-        first = len(logs.calls)
-        self.log = log
-        try:
-            out = user(self, micro, batch_idx, *args, **kwargs)
-        finally:
-            del self.log
-            logs.call += 1
-        if out is None:                  # Lightning's way to skip a batch
-            raise SkipStep("training_step returned None")
-        if isinstance(out, dict) and "loss" not in out:
-            raise ValueError("training_step returned a dict without 'loss'")
         # the micro-batch's logs weigh what its loss does: the weight the
         # step returned, else its samples
-        w = unpack(out)[1]
-        w = float(w) if w is not None else float(batch_size(micro))
-        logs.calls[first:] = [(c, n, v, kw, w) for c, n, v, kw, _ in logs.calls[first:]]
+        out = logs.run(self, lambda: user(self, micro, batch_idx, *args, **kwargs),
+                       lambda out: _loss_weight(out, micro))
         return out
 
     restore = [getattr(self, name) for name in self.memguard_restore]
@@ -362,11 +477,113 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
                          post_step=self.memguard_post_step)
     except SkipStep:                     # rolled back, on every rank alike
         return None
-    n = batch_size(batch)
-    for name, (value, kw) in logs.values(res.n_micro).items():
-        real_log(name, value, **{"batch_size": n, **kw})
+    _log_once(self, logs, res.n_micro, batch_size(batch))
     _step_schedulers(self, "step")
     return torch.tensor(res.loss)
 
 
+def _loss_weight(out: Any, micro: Any) -> float:
+    """What a micro-batch's logs weigh: the weight its ``training_step``
+    returned, else its samples; checks the output as Lightning would."""
+    if out is None:                  # Lightning's way to skip a batch
+        raise SkipStep("training_step returned None")
+    if isinstance(out, dict) and "loss" not in out:
+        raise ValueError("training_step returned a dict without 'loss'")
+    w = unpack(out)[1]
+    return float(w) if w is not None else float(batch_size(micro))
+
+
+def _guarded_eval_step(name: str) -> Callable[..., Any]:
+    """The ``validation_step``, ``test_step`` or ``predict_step`` that runs
+    the class's own through :meth:`Guard.infer`."""
+
+    def step(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        user = type(self)._memguard_steps[name]
+        logs = _LogCollector()
+
+        def fn(micro: Any) -> Any:
+            return logs.run(self, lambda: user(self, micro, *args, **kwargs),
+                            lambda out: float(batch_size(micro)))
+
+        combine = self.memguard_combine.get(name, _as_unsplit)
+        out = self.memguard.infer(batch, fn, combine=combine)
+        if name != "predict_step":           # Lightning refuses self.log in predict
+            _log_once(self, logs, logs.call, batch_size(batch))
+        return out
+
+    step.__name__ = step.__qualname__ = name
+    step._memguard_wrapped = True  # type: ignore[attr-defined]
+    return step
+
+
+def _as_unsplit(values: list, sizes: list[int]) -> Any:
+    """The default join of a split evaluation step's outputs: what is one
+    value per sample is concatenated (:mod:`memguard.train.outputs`);
+    numbers and 0-d tensors are taken for means over the micro-batch's
+    samples (as ``self.log`` averages them) and averaged by size; anything
+    else (a string) must be the same in every micro-batch."""
+    return outputs.join(values, sizes, _rules(values, sizes, "out"))
+
+
+def _rules(values: list, sizes: list[int], path: str) -> Any:
+    """The ``combine`` rules for ``values`` (one per micro-batch) at ``path``."""
+    first = values[0]
+    if isinstance(first, Mapping) and all(isinstance(v, Mapping) for v in values):
+        return {k: _rules([v.get(k) for v in values], sizes, f"{path}[{k!r}]") for k in first}
+    if _placewise(values, sizes):
+        return [_rules([v[i] for v in values], sizes, f"{path}[{i}]")
+                for i in range(len(first))]
+    if _is_array(first) and all(_is_array(v) and v.ndim and len(v) == m
+                                for v, m in zip(values, sizes)):
+        return _concatenate
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return {f.name: _rules([getattr(v, f.name) for v in values], sizes, f"{path}.{f.name}")
+                for f in dataclasses.fields(first) if f.init}
+    if isinstance(first, (numbers.Number, torch.Tensor)) and not isinstance(first, bool):
+        return "mean" if not isinstance(first, torch.Tensor) or first.dim() == 0 else None
+    if first is None or isinstance(first, (Mapping, list, tuple)):
+        return None                      # outputs.join joins it, or says why not
+    return _same(path)
+
+
+def _placewise(values: list, sizes: list[int]) -> bool:
+    """Whether ``values`` are tuples, or lists that are not one value per
+    sample, of one length: structure, joined place by place."""
+    first = values[0]
+    if not isinstance(first, (tuple, list)) or not all(
+            type(v) is type(first) and len(v) == len(first) for v in values):
+        return False
+    return isinstance(first, tuple) or any(len(v) != m for v, m in zip(values, sizes))
+
+
+def _is_array(x: Any) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "ndim")
+
+
+def _concatenate(values: list, sizes: list[int]) -> Any:
+    """NumPy arrays of one row per sample, one after the other."""
+    import numpy as np
+    return np.concatenate(values)
+
+
+def _same(path: str) -> Callable[[list, list], Any]:
+    """The rule for a value that is not per sample and not a number (a
+    string, a flag): the same in every micro-batch, or refused naming it."""
+
+    def rule(values: list, sizes: list[int]) -> Any:
+        if any(v != values[0] for v in values[1:]):
+            raise TypeError(
+                f"{path} is {values[0]!r} in one micro-batch and "
+                f"{next(v for v in values if v != values[0])!r} in another: memguard cannot "
+                f"tell what the unsplit step would return; return the same value from every "
+                f"micro-batch, or set memguard_combine with a rule at {path}'s place")
+        return values[0]
+
+    return rule
+
+
 _guarded_training_step._memguard_wrapped = True  # type: ignore[attr-defined]
+#: the steps a MemGuardModule runs through its guard
+_GUARDED = {"training_step": _guarded_training_step,
+            **{name: _guarded_eval_step(name)
+               for name in ("validation_step", "test_step", "predict_step")}}

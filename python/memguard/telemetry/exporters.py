@@ -38,7 +38,7 @@ class Exporter:
     telemetry never fails the step, the sample or the uninstall it serves.
     """
 
-    def __init__(self, path: str | os.PathLike | IO[str]) -> None:
+    def __init__(self, path: str | os.PathLike | IO[str], append: bool = False) -> None:
         self._stopped = False  # an OSError ended its writing
         if isinstance(path, io.TextIOBase):
             self._f: IO[str] = path
@@ -48,7 +48,8 @@ class Exporter:
             where = os.fspath(path)
             try:
                 # kept open for the exporter's life; close() closes it
-                self._f = open(where, "w", buffering=1, encoding="utf-8", newline="")  # noqa: SIM115
+                self._f = open(where, "a" if append else "w", buffering=1,  # noqa: SIM115
+                               encoding="utf-8", newline="")
             except OSError as exc:
                 raise ValueError(f"cannot write telemetry to {where!r}: "
                                  f"{unwritable(exc, where)}") from exc
@@ -106,10 +107,9 @@ class JsonlExporter(Exporter):
     :meth:`event` writes ``{"type": "event", "event": name, "t": ..., ...}``.
     """
 
-    def __init__(
-        self, path: str | os.PathLike | IO[str], meta: Mapping[str, Any] | None = None
-    ) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike | IO[str], meta: Mapping[str, Any] | None = None,
+                 append: bool = False) -> None:
+        super().__init__(path, append)
         head = {
             "type": "meta",
             "schema": SCHEMA_NAME,
@@ -143,10 +143,11 @@ class CsvExporter(Exporter):
     """Write samples as CSV: a header row, then one row per sample. The first
     column, ``schema_version``, carries the schema version on every row."""
 
-    def __init__(self, path: str | os.PathLike | IO[str]) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike | IO[str], append: bool = False) -> None:
+        super().__init__(path, append)
         self._w = csv.writer(self._f)
-        self._io(self._w.writerow, ("schema_version",) + FIELD_NAMES)
+        if not append:
+            self._io(self._w.writerow, ("schema_version",) + FIELD_NAMES)
 
     def __call__(self, s: Sample) -> None:
         d = s.to_dict()
@@ -157,14 +158,16 @@ class CsvExporter(Exporter):
         self._io(self._w.writerow, row)
 
 
-def open_exporter(path: str | os.PathLike) -> Exporter:
-    """A JSONL or CSV exporter, chosen by the file's suffix.
+def open_exporter(path: str | os.PathLike, append: bool = False) -> Exporter:
+    """A JSONL or CSV exporter, chosen by the file's suffix; ``append``:
+    after what the file holds (a JSONL file gets another header, which
+    readers take in their stride), else in place of it.
 
     Raises:
         ValueError: the suffix is neither ``.jsonl`` nor ``.csv``.
     """
     p = check_export_path(path)
-    return JsonlExporter(p) if p.endswith(".jsonl") else CsvExporter(p)
+    return JsonlExporter(p, append=append) if p.endswith(".jsonl") else CsvExporter(p, append)
 
 
 def check_export_path(path: str | os.PathLike) -> str:

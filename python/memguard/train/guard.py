@@ -357,20 +357,21 @@ class Guard:
     def evaluate(self) -> Iterator[Guard]:
         """Run a validation loop under ``no_grad``, micro-batched by
         :meth:`infer`; memory is released when it ends."""
-        try:
-            with torch.no_grad():
-                yield self
-        finally:
-            self.boundary.overruns.check()
-            self.gc.relieve("evaluate", force=True)
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            stack.callback(self.release)
+            yield self
+
+    def release(self) -> None:
+        """An evaluation loop's end: overruns reported, memory released."""
+        self.boundary.overruns.check()
+        self.gc.relieve("evaluate", force=True)
 
     def infer(self, batch: Any, fn: Callable[[Any], Any], *, combine: Any = None) -> Any:
         """``fn`` over ``batch`` in micro-batches of inference's own plan, smaller when memory
-        is short (the training plan is left as it was); outputs detached, joined as one
-        call's (:mod:`memguard.train.outputs`).
+        is short (:mod:`memguard.train.inference`); outputs joined (:mod:`.outputs`).
 
         Raises:
-            GuardOOMError: out of memory at the smallest allowed size.
+            GuardOOMError: the machine out of memory at the smallest allowed size.
             TypeError: an output leaf neither per-sample nor ruled by ``combine``.
         """
         with self._loop.enter("infer"):

@@ -12,7 +12,11 @@ the pressure and the room as a step boundary does
 delivered (nothing is taken or pushed between micro-batches): a room that
 fell below the planned size's predicted peak, or HIGH pressure, shrinks
 before anything runs out of memory. An out-of-memory error shrinks too, and
-the call goes on from the micro-batch that failed.
+the call goes on from the micro-batch that failed. Where memguard's own
+tensor budget refuses the smallest size (the machine did not), the call goes
+on past the budget, as code outside a guarded step does
+(:mod:`memguard.train.overruns`): an inference the plain loop would finish
+is never ended by memguard.
 """
 from __future__ import annotations
 
@@ -147,6 +151,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
     _outputs.check_combine(combine)
     plan, sizes = guard.inference, guard.config.sizes
     start, micro, parts, outs, counts, tried = 0, 0, [], [], [], []
+    refused, past = _refusals(), False      # past: served past memguard's budget
     with torch.no_grad(), contextlib.closing(arena.strict):
         while start < n:
             planned, changed = plan.begin(guard, batch, n, first=not (start or tried))
@@ -156,7 +161,7 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
                 micro, parts = planned, sizes.of(n - start, planned)
             stop = start + parts[0]
             try:
-                with arena.strict():
+                with contextlib.nullcontext() if past else arena.strict():
                     out = fn(_batch.slice_(batch, start, stop))
                 plan.end(stop - start)
                 outs.append(_batch.detach(out))
@@ -169,16 +174,25 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
                     raise
                 tried.append(micro)
                 nxt = plan.oom(guard, micro)
-                if not nxt:
+                if not nxt and not past and _refusals() > refused:
+                    nxt, past = micro, True  # memguard's budget, not the machine: serve it
+                elif not nxt:
                     raise gave_up(tried, guard.config.min_micro_batch, exc,
                                   inference=True) from exc
             guard.gc.relieve_oom()     # out of the except block: its frames are gone
             guard.ooms_recovered += 1
             _changed(guard, n, start, failed=micro)
             log.warning("memguard: an inference ran out of memory at micro-batch %d; going on "
-                        "at %d from sample %d of %d", micro, nxt, start, n)
+                        "at %d from sample %d of %d%s", micro, nxt, start, n,
+                        " past memguard's budget, which refused the smallest size (the "
+                        "machine did not)" if nxt == micro else "")
             micro, parts = nxt, sizes.of(n - start, nxt)
     return _outputs.join(outs, counts, combine)
+
+
+def _refusals() -> int:
+    """How many allocations memguard's arena budget has refused so far."""
+    return int(arena.stats()["num_ooms"]) if arena.installed() else 0
 
 
 def _changed(guard: Guard, n: int, start: int, failed: int = 0) -> None:

@@ -42,6 +42,7 @@ class Signals:
         self._on_high = on_high
         self.exporter: Any = None
         self._own_exporter = False
+        self._opened = False            # the telemetry path was opened once: append to it
         self._events_failed = False     # the exporter's event() raised: no more events
         self.sampler: Sampler | None = config.sampler
         self._own_sampler = False
@@ -68,7 +69,10 @@ class Signals:
         c = self._config
         if c.telemetry is not None:
             if isinstance(c.telemetry, (str, os.PathLike)):
-                self.exporter, self._own_exporter = open_exporter(c.telemetry), True
+                # a guard installed again (Lightning's validate, then fit)
+                # goes on in its file: the earlier run's records stay
+                self.exporter = open_exporter(c.telemetry, append=self._opened)
+                self._own_exporter = self._opened = True
             else:
                 self.exporter = c.telemetry
         if c.sampler is not None:
