@@ -11,7 +11,9 @@ split.
 The integration is two lines: the ``MemGuardModule`` mixin in front of
 ``LightningModule`` (``training_step`` stays as written for automatic
 optimization; it returns the loss and its weight), and ``MemGuardCallback``
-in the trainer's callbacks. Run::
+in the trainer's callbacks. As the DreaMS run does, it validates before
+``fit`` and after each epoch; the validation steps, at a larger batch, run
+on the guard's inference plan. Run::
 
     python examples/dreams_lightning.py                 # 1 process
     python examples/dreams_lightning.py --devices 2     # DDP on 2 CPU processes
@@ -107,6 +109,14 @@ class PeakTransformer(MemGuardModule, L.LightningModule):
         # the mean over masked peaks, weighted by their count; aux: per-spectrum counts
         return {"loss": loss, "weight": n_masked, "aux": m.sum(1)}
 
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        # guarded too: split where memory is short, logged as the unsplit
+        # step logs it (batch_size: the masked peaks the mean is over)
+        pred = self(batch).float()
+        m = batch["masked"]
+        err = ((pred - batch["mz"]).abs() / 1000.0 * m).sum() / m.sum()
+        self.log("val_loss", err, batch_size=int(m.sum()), sync_dist=True)
+
     def memguard_post_step(self, aux: torch.Tensor) -> None:
         self.samples_per_step.append(int(aux.numel()))
         self.masked_per_step.append(int(aux.sum()))
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     data = Spectra(steps * a.batch * a.devices, a.seed)
     loader = DataLoader(data, batch_size=a.batch, shuffle=True, drop_last=True)
+    val = DataLoader(Spectra(4 * a.batch * a.devices, a.seed + 1), batch_size=2 * a.batch)
     model = PeakTransformer(total_steps=steps)
     # The process's budget is live; the tensors get what memguard's
     # allocator may hold, --tensor-budget, within it (at this toy scale the
@@ -168,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         log_every_n_steps=1)
     t0 = time.perf_counter()
-    trainer.fit(model, loader)
+    val_before = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    trainer.fit(model, loader, val)
     wall = time.perf_counter() - t0
 
     g = guard_cb.guard
@@ -189,6 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rank": trainer.global_rank,
         "precision": a.precision,
         "final_loss": float(trainer.callback_metrics.get("train_loss", float("nan"))),
+        "val_loss_before": val_before,
+        "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        "val_micro_batch": g.inference.micro,
         # the same on every rank when DDP keeps the replicas in step
         "param_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
@@ -196,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{record.micro[0] if record.micro else '-'} -> {g.micro_batch} "
           f"({g.micro_batch_changes} changes), OOMs recovered {g.ooms_recovered}, peak "
           f"{g.peak_bytes / 2**20:.1f} MiB of a {g.budget_bytes / 2**20:.0f} MiB budget "
-          f"({g.peak_source}), {wall:.1f} s")
+          f"({g.peak_source}), validation {val_before:.3f} -> {summary['val_loss']:.3f} at "
+          f"micro-batch {g.inference.micro}, {wall:.1f} s")
     if a.summary_json:
         path = a.summary_json if trainer.global_rank == 0 else \
             f"{a.summary_json}.rank{trainer.global_rank}"

@@ -194,6 +194,8 @@ def test_dreams_lightning(tmp_path):
     assert s["effective_batches"] == [32] * s["steps"]
     assert all(m > 0 for m in s["masked_peaks"])      # the loss's weights
     assert min(s["micro_batches"]) >= 4               # min_micro_batch
+    # validated before fit and after it, on the guard's inference plan
+    assert 0 < s["val_loss"] < s["val_loss_before"] and s["val_micro_batch"] >= 4
 
 
 def test_dreams_lightning_ddp_two_processes(tmp_path):
@@ -207,3 +209,4 @@ def test_dreams_lightning_ddp_two_processes(tmp_path):
     check_common(s1)
     assert s0["micro_batches"] == s1["micro_batches"]
     assert s0["param_checksum"] == s1["param_checksum"]
+    assert s0["val_loss"] == s1["val_loss"] > 0       # synchronised across the ranks
