@@ -254,3 +254,18 @@ def test_no_logger_no_warnings_about_it(tmp_path):
     said = [str(w.message) for w in seen if "no logger configured" in str(w.message)]
     assert said == []
     assert "memguard/micro_batch" in t.callback_metrics      # still there for callbacks
+
+
+def test_validate_without_a_callback_makes_and_ends_its_own_guard():
+    """A MemGuardModule validated with no MemGuardCallback: its guard is made
+    at the first validation step and uninstalled when the loop's run ends."""
+    seen = {}
+
+    class Peek(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            seen["guard"] = pl_module.memguard
+
+    model = Guarded()
+    got = trainer([Peek()]).validate(model, data())[0]
+    assert got["val_loss"] > 0
+    assert not seen["guard"].installed and "_memguard_own" not in model.__dict__
