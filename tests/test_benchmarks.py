@@ -52,7 +52,8 @@ def test_suite_is_collected_from_the_benchmarks_directory(tmp_path) -> None:
                    "benchmarks/bench_cuda.py::test_cuda_budget_held",
                    "benchmarks/bench_pressure.py::test_limit_lowered_then_raised[memguard]",
                    "benchmarks/bench_gpu_pressure.py::test_mid_run[freed]",
-                   "benchmarks/bench_pressure.py::test_oom_at_start_then_raised"):
+                   "benchmarks/bench_pressure.py::test_oom_at_start_then_raised",
+                   "benchmarks/bench_fp16_split.py::test_fp16_split"):
         assert wanted in ids, sorted(ids)
     # and `make test` (plain pytest) does not run them: tests/ is the only test
     # path. Every module of tests/ but this one is left out of the collection
@@ -148,6 +149,23 @@ def test_quick_subset_stores_the_ratios_in_the_json(tmp_path) -> None:
     assert rec["cost_ratio"] == pytest.approx(thr["oom"]["cost_ratio"])
     # pytest-benchmark's own timings are there, one round per step
     assert by_name["benchmarks/bench_throttle.py::test_oom_step[whole]"]["stats"]["rounds"] == 1
+
+
+def test_fp16_split_skips_the_unsplit_steps_update_and_not_the_splits() -> None:
+    """bench_fp16_split's setting, run here on the CPU (a few steps of a
+    linear model): the plain run and the guard at the whole batch skip the
+    first update alike, bit for bit; the split run skips none and ends at
+    twice their scale, its parameters apart from theirs. The figures the
+    docs quote."""
+    bench = bench_module("bench_fp16_split")
+    r = bench.compare("cpu")
+    assert r["skipped"] == {"plain": [0], "whole": [0], "split": []}, r["skipped"]
+    assert r["whole_equals_plain"] and r["whole_diff_rel"] == 0.0
+    assert r["scale_ratio"] == 2.0
+    assert 0.01 < r["param_diff_rel"] < 0.1, r["param_diff_rel"]
+    lines, _, _ = bench.summarize([dict(r, nodeid="n")])
+    assert "updates skipped: plain 1 (steps [0]), guard whole 1, guard split 0 (steps [])" \
+        in lines
 
 
 def test_throttle_overhead_summary_judges_the_paired_processes() -> None:

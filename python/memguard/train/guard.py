@@ -169,6 +169,7 @@ class Guard:
         self._peers: Peers | None = None
         self._peers_checked = False
         self._warned: set[str] = set()   # what was warned about once (buffers, a remainder)
+        self.amp_checked = False         # float16 on the CPU looked for (amp.py): once
         self.update_need = Need()        # what each optimizer's updates allocate, learnt
         self._loop = _OneLoop()
         self.installed = False

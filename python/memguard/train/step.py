@@ -27,6 +27,7 @@ import torch
 from memguard.memory import arena
 from memguard.memory.oom import is_oom
 from memguard.telemetry.events import Event
+from memguard.train import amp
 from memguard.train import batch as _batch
 from memguard.train.accumulation import Accumulator
 from memguard.train.distributed import PeerOOM, Peers
@@ -438,6 +439,8 @@ class Transaction:
             loss, emb = gradcache_backward(a.batch, a.n, self.micro, a.embed_fn, a.loss_fn,
                                            a.scaler, model=None if self.deferred
                                            else self.g.model, sizes=sizes)
+            if not self.g.amp_checked:
+                self._check_amp(None, stacklevel=6)
             self.acc.add_whole_batch(loss, len(sizes.of(a.n, self.micro)))
             return [emb]
         # Sample weights are known up front: scale each loss by its share at
@@ -467,6 +470,16 @@ class Transaction:
                 f"{sizes.least}: the last micro-batch takes it ({parts[-1]} samples), as "
                 f"the whole batch would", UserWarning, stacklevel=6)
         return sizes
+
+    def _check_amp(self, loss: Any, stacklevel: int) -> None:
+        """Once per guard, on its first step's first micro-batch (before its
+        backward, while its graph is there): a warning where the step uses
+        float16 autocast or a GradScaler with every parameter on the CPU
+        (:mod:`memguard.train.amp`). ``stacklevel`` counts the frames from
+        this method's caller to the caller of :meth:`Guard.step`, whose line
+        the warning names."""
+        self.g.amp_checked = True
+        amp.warn_cpu_fp16(loss, self.a.scaler, self.a.optimizer, stacklevel=stacklevel + 1)
 
     def _agree_done(self, weightless: ValueError | None = None) -> None:
         """The ranks agree before gradients leave this one; a rank whose
@@ -507,6 +520,8 @@ class Transaction:
                              "for others")
         if weight is None:
             weight = _batch.batch_size(micro_batch)
+        if not self.g.amp_checked:
+            self._check_amp(loss, stacklevel=7)
         if last and self.peers is not None and not self.deferred:
             # DDP averages in this backward: the rank's weighted mean must
             # be complete when it ends, its caller's weights all known now
