@@ -168,8 +168,7 @@ class Guard:
         self.inference = InferencePlan(self.planner.opts)   # infer's own plan: apart
         self._peers: Peers | None = None
         self._peers_checked = False
-        self._warned: set[str] = set()   # what was warned about once (buffers, a remainder)
-        self.amp_checked = False         # float16 on the CPU looked for (amp.py): once
+        self._warned: set[str] = set()   # what was warned about once (buffers, a remainder, fp16 on the CPU)
         self.update_need = Need()        # what each optimizer's updates allocate, learnt
         self._loop = _OneLoop()
         self.installed = False

@@ -439,7 +439,7 @@ class Transaction:
             loss, emb = gradcache_backward(a.batch, a.n, self.micro, a.embed_fn, a.loss_fn,
                                            a.scaler, model=None if self.deferred
                                            else self.g.model, sizes=sizes)
-            if not self.g.amp_checked:
+            if "amp" not in self.warned:
                 self._check_amp(None, stacklevel=6)
             self.acc.add_whole_batch(loss, len(sizes.of(a.n, self.micro)))
             return [emb]
@@ -478,7 +478,7 @@ class Transaction:
         (:mod:`memguard.train.amp`). ``stacklevel`` counts the frames from
         this method's caller to the caller of :meth:`Guard.step`, whose line
         the warning names."""
-        self.g.amp_checked = True
+        self.warned.add("amp")
         amp.warn_cpu_fp16(loss, self.a.scaler, self.a.optimizer, stacklevel=stacklevel + 1)
 
     def _agree_done(self, weightless: ValueError | None = None) -> None:
@@ -520,7 +520,7 @@ class Transaction:
                              "for others")
         if weight is None:
             weight = _batch.batch_size(micro_batch)
-        if not self.g.amp_checked:
+        if "amp" not in self.warned:
             self._check_amp(loss, stacklevel=7)
         if last and self.peers is not None and not self.deferred:
             # DDP averages in this backward: the rank's weighted mean must
