@@ -38,6 +38,8 @@ class WorkersAdvice:
         self._event = event
         #: whether the advice was given (it is given once)
         self.given = False
+        #: the advice's words, once given
+        self.message: str | None = None
 
     def check(self, s: Sample | None, budget: int, n: int, micro: int, planner: Any,
               step: int) -> bool:
@@ -67,8 +69,9 @@ class WorkersAdvice:
             why += (f"; they keep the step at micro-batch {micro} of {n}: without them the "
                     f"whole batch (predicted peak {size(whole)}) would fit")
         head, _, fewer = describe(workers, held).partition("; ")
-        warnings.warn(f"memguard: {head}{why}" + (f"; {fewer}" if fewer else "")
-                      + ". memguard does not change the loader.", WorkersWarning, stacklevel=5)
+        self.message = (f"memguard: {head}{why}" + (f"; {fewer}" if fewer else "")
+                        + ". memguard does not change the loader.")
+        warnings.warn(self.message, WorkersWarning, stacklevel=5)
         self._event(Event.WORKERS, step=step, workers=workers, workers_bytes=held,
                     budget_bytes=budget, share=held / budget, reasons=reasons,
                     batch=n, micro_batch=micro, whole_batch_peak_bytes=whole,
