@@ -103,7 +103,7 @@ FULL = {"model": workload.VIT_S16, "limit": 2200 * MiB, "high": 5000 * MiB,
 QUICK = {"model": workload.Model(img=112, batch=64), "limit": 900 * MiB,
          "high": 3000 * MiB, "swap": 2 << 30, "a_steps": 3, "pre": 2, "post": 4, "rise": 4,
          "plain_max_s": 30, "d_limit": 1300 * MiB, "d_pre": 1, "d_post": 3,
-         "f_limit": 1100 * MiB, "f_workers": 4, "f_worker_bytes": 50 * MiB, "f_steps": 3}
+         "f_limit": 1400 * MiB, "f_workers": 4, "f_worker_bytes": 50 * MiB, "f_steps": 3}
 
 
 @pytest.fixture(scope="module")
