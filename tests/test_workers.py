@@ -129,7 +129,7 @@ def test_report_shows_the_workers_and_the_advice(run):
     assert summary.peak_workers_bytes >= WORKERS * HELD * 0.9
     rows = dict(summary.rows())
     assert rows["DataLoader workers (child processes)"].startswith(f"at most {WORKERS}, holding")
-    assert rows["advice on the workers"].startswith(f"step 0: {WORKERS} workers held")
+    assert rows["advice on the workers"].startswith(f"step 1: {WORKERS} workers held")
     assert "num_workers=0" in rows["advice on the workers"]
     assert len(r.lines["children_bytes"]) == summary.samples
     assert len(r.event_lines["workers"]) == 1
@@ -140,9 +140,10 @@ def test_no_advice_without_workers():
     events = []
     advice = WorkersAdvice(lambda name, **kw: events.append(name))
     none = Sample.from_dict({"children": 0, "children_bytes": 0, "footprint_bytes": 1 << 30})
-    assert not advice.check(none, 1 << 30, 32, 8, _Planner(None), step=3)
     unknown = Sample.from_dict({"footprint_bytes": 1 << 30})   # not Linux: no figure
-    assert not advice.check(unknown, 1 << 30, 32, 8, _Planner(None), step=3)
+    for step in range(3):
+        assert not advice.check(none, 1 << 30, 32, 8, _Planner(None), step=step)
+        assert not advice.check(unknown, 1 << 30, 32, 8, _Planner(None), step=step)
     assert workers_metrics(unknown) == {}
     assert " workers " not in format_line(none)
     assert events == [] and not advice.given
@@ -173,6 +174,7 @@ def test_advice_when_the_workers_keep_the_whole_batch_out(peak, advised):
     s = Sample.from_dict({"children": 4, "children_bytes": 200 * MiB})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        assert not advice.check(s, 4000 * MiB, 32, 8, _Planner(peak), step=4)  # first sight
         assert advice.check(s, 4000 * MiB, 32, 8, _Planner(peak), step=5) is advised
     assert len(caught) == len(events) == advised
     if advised:
@@ -181,6 +183,19 @@ def test_advice_when_the_workers_keep_the_whole_batch_out(peak, advised):
         assert name == Event.WORKERS and kw["reasons"] == ["micro_batch"]
         assert kw["whole_batch_peak_bytes"] == peak
         assert not advice.check(s, 4000 * MiB, 32, 8, _Planner(peak), step=6)   # once
+
+
+def test_advice_waits_for_the_workers_to_be_started():
+    """A loader starts its workers one by one: the advice names them once
+    their number held over two boundaries, not the first ones seen."""
+    events = []
+    advice = WorkersAdvice(lambda name, **kw: events.append(kw))
+    for step, n in enumerate((2, 3, 4)):   # each boundary sees more
+        s = Sample.from_dict({"children": n, "children_bytes": n * 200 * MiB})
+        assert not advice.check(s, 2000 * MiB, 32, 32, _Planner(None), step=step)
+    with pytest.warns(WorkersWarning, match="4 DataLoader workers"):
+        assert advice.check(s, 2000 * MiB, 32, 32, _Planner(None), step=3)
+    assert events[0]["workers"] == 4 and events[0]["workers_bytes"] == 800 * MiB
 
 
 def test_what_fewer_workers_give_back():

@@ -7,7 +7,9 @@ step below its whole batch (the planner's predicted peak of the whole batch
 would fit the room the workers take), memguard says so once: a
 :class:`WorkersWarning` and a ``workers`` event naming their number, their
 memory and what a lower ``num_workers`` would give back. It never changes
-the loader. The check reads the sample the step boundary already took.
+the loader. The check reads the sample the step boundary already took, and
+waits for the workers' number to hold over two boundaries: a loader starts
+its workers one by one, and the first boundary may see only some of them.
 """
 from __future__ import annotations
 
@@ -40,15 +42,19 @@ class WorkersAdvice:
         self.given = False
         #: the advice's words, once given
         self.message: str | None = None
+        self._seen = 0     # the workers at the previous boundary
 
     def check(self, s: Sample | None, budget: int, n: int, micro: int, planner: Any,
               step: int) -> bool:
         """At a step boundary: the boundary's sample ``s``, the process's
         ``budget``, the batch of ``n`` samples planned at ``micro`` by
         ``planner`` (a ``_C.Planner``). Advises at most once; whether it did now."""
-        if self.given or s is None or not s.children or not s.children_bytes or budget <= 0:
+        if self.given or s is None:
             return False
-        workers, held = int(s.children), int(s.children_bytes)
+        workers, held = int(s.children or 0), int(s.children_bytes or 0)
+        settled, self._seen = workers == self._seen, workers
+        if not workers or not held or budget <= 0 or not settled:
+            return False
         reasons = []
         if held >= SHARE * budget:
             reasons.append("share")
