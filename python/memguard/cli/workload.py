@@ -223,6 +223,7 @@ def _build(m: Model, threads: int):
 
 
 def _add_workers_flags(p: argparse.ArgumentParser) -> None:
+    """The worker's flags for its DataLoader workers."""
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader workers (0: the batch is the same tensors each step)")
     p.add_argument("--worker-bytes", type=int, default=0,
