@@ -12,7 +12,14 @@ process (pytest-benchmark times the run); the figures are its steps:
 (c) the limit raised again (the same run as (b), continued);
 (d) an out-of-memory error at the whole batch in the first step, then the
     limit raised well above the whole batch's need (memguard alone: the
-    plain loop has no batch to give back).
+    plain loop has no batch to give back);
+(f) the first user's run with 4 DataLoader workers that each hold 150 MiB
+    of their own (a dataset's copy in each worker), under the limit from
+    the start: the plain loop against memguard, whose advice on the workers
+    (a ``WorkersWarning`` naming them, their memory and what a lower
+    ``num_workers`` gives back) is printed with the figures. The workers
+    hand out each batch's indices and the batch is gathered in the main
+    process, so they add only what they hold.
 
 How (d)'s first step runs out of memory: in memguard's arena, not in the
 kernel. The run starts under a limit below the whole batch's need ((a)'s;
@@ -47,7 +54,10 @@ Targets (figures, not timed tests):
   within 2 steps of the rise (a run that never gets there is OVER), though
   the whole batch failed under the lower limit;
 - at every step boundary, the arena's reserved bytes are at most 1.25x the
-  recent peak allocated, plus 64 MiB.
+  recent peak allocated, plus 64 MiB;
+- (f) memguard's throughput is at least 2x the plain loop's (the issue's
+  reference run: 2.85x), and memguard gave its advice on the workers,
+  naming all 4 (FAIL where it did not).
 
 The plain loop swaps for tens of seconds a step: it is stopped once it has
 run ``plain_max_s`` seconds. Without root, a memory cgroup or swap, the
@@ -78,7 +88,7 @@ GROW_AFTER = 8   # Guard's default
 TARGETS = {"a_throughput": 4.0, "b_settle_steps": 2, "b_throughput": 0.9,
            "b_faults": 0.01, "b_swap_share": 0.05, "b_min_micro": 0.5,
            "c_steps": GROW_AFTER + 2, "d_steps": 2, "boundary_factor": 1.25,
-           "boundary_slack": 64 * MiB}
+           "boundary_slack": 64 * MiB, "f_throughput": 2.0}
 
 #: limit (a) and after the drop, limit before it and after the rise, swap
 #: file, steps of (a), steps before the drop, after it, after the rise, the
@@ -88,10 +98,12 @@ TARGETS = {"a_throughput": 4.0, "b_settle_steps": 2, "b_throughput": 0.9,
 #: steps under it, then after the rise (to ``high``)
 FULL = {"model": workload.VIT_S16, "limit": 2200 * MiB, "high": 5000 * MiB,
         "swap": 4 << 30, "a_steps": 8, "pre": 4, "post": 10, "rise": 12, "plain_max_s": 100,
-        "d_limit": 2200 * MiB, "d_pre": 1, "d_post": 5}
+        "d_limit": 2200 * MiB, "d_pre": 1, "d_post": 5,
+        "f_limit": 2200 * MiB, "f_workers": 4, "f_worker_bytes": 150 * MiB, "f_steps": 8}
 QUICK = {"model": workload.Model(img=112, batch=64), "limit": 900 * MiB,
          "high": 3000 * MiB, "swap": 2 << 30, "a_steps": 3, "pre": 2, "post": 4, "rise": 4,
-         "plain_max_s": 30, "d_limit": 1300 * MiB, "d_pre": 1, "d_post": 3}
+         "plain_max_s": 30, "d_limit": 1300 * MiB, "d_pre": 1, "d_post": 3,
+         "f_limit": 1400 * MiB, "f_workers": 4, "f_worker_bytes": 50 * MiB, "f_steps": 3}
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +174,31 @@ def test_oom_at_start_then_raised(benchmark, figures: Figures, settings: dict, s
     _run(benchmark, figures, settings, "memguard", "d")
 
 
+@pytest.mark.parametrize("mode", ["plain", "memguard"])
+def test_dataloader_workers(benchmark, figures: Figures, settings: dict, swap,
+                            mode: str) -> None:
+    """(f): 4 DataLoader workers holding 150 MiB each, under the limit
+    from the start; memguard's advice on them recorded."""
+    figures.section(SECTION, TITLE, summarize)
+    s = settings
+    out: dict = {}
+    benchmark.group = "pressure: whole run"
+    benchmark.pedantic(lambda: out.update(r=workload.run(
+        mode, s["f_limit"], steps=s["f_steps"], model=s["model"],
+        max_seconds=s["plain_max_s"] if mode == "plain" else None,
+        workers=s["f_workers"], worker_bytes=s["f_worker_bytes"])), rounds=1, iterations=1)
+    r: workload.Result = out["r"]
+    if mode == "memguard" and r.returncode != 0:
+        pytest.fail(f"memguard's run failed (status {r.returncode}):\n{r.stderr}")
+    benchmark.extra_info.update(steps_done=len(r.steps), killed=r.killed)
+    figures.record(SECTION, benchmark.fullname, {
+        "mode": mode, "scenario": "f", "steps": r.steps, "schedule": r.schedule,
+        "killed": r.killed, "stopped_by_time": r.stopped_by_time, "returncode": r.returncode,
+        "batch": s["model"].batch, "limit": s["limit"], "high": s["high"], "pre": s["pre"],
+        "post": s["post"], "f_limit": s["f_limit"], "f_workers": s["f_workers"],
+        "f_worker_bytes": s["f_worker_bytes"]})
+
+
 # ------------------------------------------------------------------ summary
 def _median_s(steps: list[dict]) -> float | None:
     """Median seconds a step, leaving out the first step of a run (start-up)."""
@@ -215,6 +252,10 @@ def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
     if md:
         d, v = _memguard_d(md, lines, per_test)
         data["d"] = d
+        data.setdefault("verdict", {}).update(v)
+    if ("plain", "f") in by or ("memguard", "f") in by:
+        data["f"], v = _workers_f(by.get(("plain", "f")), by.get(("memguard", "f")), lines,
+                                  per_test)
         data.setdefault("verdict", {}).update(v)
     return lines, data, per_test
 
@@ -326,6 +367,37 @@ def _memguard_d(md: dict, lines: list[str], per_test: dict) -> tuple[dict, dict]
     lines.append(f"(d) {back} (target <= {TARGETS['d_steps']} steps)  {v['d_steps']}")
     per_test[md["nodeid"]] = {"oom_at_start": oom, "steps_to_full_after_rise": grown}
     return {"oom_at_start": oom, "tried": tried, "steps_to_full": grown}, v
+
+
+def _workers_f(pf: dict | None, mf: dict | None, lines: list[str],
+               per_test: dict) -> tuple[dict, dict]:
+    """(f)'s figures and verdicts: each run's steps with the workers' memory,
+    memguard's throughput against the plain loop's, and its advice."""
+    first = pf or mf
+    lines.append(f"(f) limit {first['f_limit'] / MiB:,.0f} MiB from the start, "
+                 f"{first['f_workers']} DataLoader workers of "
+                 f"{first['f_worker_bytes'] / MiB:,.0f} MiB each")
+    for r in (pf, mf):
+        if r:
+            end = " (killed by the kernel)" if r["killed"] else \
+                " (stopped: time cap)" if r["stopped_by_time"] else ""
+            last = r["steps"][-1] if r["steps"] else {}
+            lines.append(f"(f) {r['mode']:9} {_steps_line(r['steps'])}{end}; workers "
+                         f"{last.get('children', '-')} holding "
+                         f"{(last.get('children_bytes') or 0) / MiB:,.0f} MiB, swap at the end "
+                         f"{last.get('swap_bytes', 0) / MiB:,.0f} MiB")
+    tp = ratio(_median_s(pf["steps"]), _median_s(mf["steps"])) if pf and mf else None
+    advice = next((s["advice"] for s in mf["steps"] if s.get("advice")), None) if mf else None
+    named = advice is not None and f"{mf['f_workers']} DataLoader workers" in advice
+    v = {"f_throughput": verdict(tp, TARGETS["f_throughput"], higher_is_better=True),
+         "f_advice": "PASS" if named else "FAIL" if mf and mf["steps"] else "-"}
+    lines.append(f"(f) memguard / plain throughput {fmt(tp)}x (target >= "
+                 f"{TARGETS['f_throughput']:.0f}x)  {v['f_throughput']}")
+    lines.append(f"(f) memguard's advice: {advice or 'none'}  {v['f_advice']}")
+    if mf:
+        per_test[mf["nodeid"]] = {"throughput_vs_plain": tp, "advice": advice}
+    return {"throughput_ratio": tp, "advice": advice,
+            "memguard_micro": [s["micro"] for s in mf["steps"]] if mf else None}, v
 
 
 if __name__ == "__main__":

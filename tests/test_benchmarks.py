@@ -326,6 +326,32 @@ def test_pressure_summary_judges_each_target_from_the_steps() -> None:
                for ln in lines)
 
 
+@pytest.mark.parametrize("advice, plain_s, want", [
+    ("memguard: 4 DataLoader workers (child processes) hold 780 MiB", 16.0,
+     {"f_throughput": "PASS", "f_advice": "PASS"}),
+    (None, 9.0, {"f_throughput": "UNDER", "f_advice": "FAIL"})])
+def test_pressure_summary_of_the_workers_scenario(advice, plain_s, want) -> None:
+    """(f): memguard's throughput against the plain loop's (median step, the
+    first left out) and its advice naming the 4 workers, printed."""
+    bench = bench_module("bench_pressure")
+    common = {"batch": 32, "limit": 2200 * MiB, "high": 5000 * MiB, "pre": 2, "post": 6,
+              "killed": False, "stopped_by_time": False, "f_limit": 2200 * MiB,
+              "f_workers": 4, "f_worker_bytes": 150 * MiB}
+    plain = dict(common, mode="plain", scenario="f", nodeid="f-plain",
+                 steps=[_pressure_step(i, plain_s, 32) for i in range(4)])
+    mg_steps = [dict(_pressure_step(i, 5.0, 8), children=4, children_bytes=780 * MiB)
+                for i in range(4)]
+    mg_steps[1]["advice"] = advice
+    mg = dict(common, mode="memguard", scenario="f", nodeid="f-mg", steps=mg_steps)
+    lines, data, per_test = bench.summarize([plain, mg])
+    assert {k: data["verdict"][k] for k in want} == want
+    assert data["f"]["throughput_ratio"] == plain_s / 5.0
+    assert per_test["f-mg"]["advice"] == advice
+    assert any(ln.startswith("(f) memguard ") and "workers 4 holding 780 MiB" in ln
+               for ln in lines)
+    assert f"(f) memguard's advice: {advice or 'none'}  {want['f_advice']}" in lines
+
+
 def _slow_post(seconds, micro=16, faults=(0,) * 6, swap=0) -> list[dict]:
     return [_pressure_step(2 + k, s, micro, faults=f, swap=swap)
             for k, (s, f) in enumerate(zip(seconds, faults))]

@@ -39,6 +39,7 @@ _LAZY = {
     "OptimizerOOMError": "memguard.train.transaction",
     "PostStepError": "memguard.train.transaction",
     "BudgetOverrunWarning": "memguard.train.overruns",
+    "WorkersWarning": "memguard.train.workers",
     "Accumulator": "memguard.train.accumulation",
     "accumulate": "memguard.train.accumulation",
     "BatchSizeResult": "memguard.train.finder",
@@ -72,7 +73,7 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     # training
     "Accumulator", "BatchSizeResult", "BudgetOverrunWarning", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
-    "find_batch_size",
+    "find_batch_size", "WorkersWarning",
     # integrations
     "lightning",
     # options

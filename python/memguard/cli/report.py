@@ -6,11 +6,13 @@
     memguard report run.jsonl -o report.html    # the figure and a summary table, one file
 
 The figure has one time axis, in seconds since the run's first record, and
-three panels: memory against the budget (RSS, and the arena's allocated and
-reserved bytes when it served tensors), the pressure level, and the
+three panels: memory against the budget (RSS, the arena's allocated and
+reserved bytes when it served tensors, and what the DataLoader workers
+(child processes) held alone when there were any), the pressure level, and the
 micro-batch size of each :meth:`memguard.Guard.step`. Events are drawn on
 all three: out-of-memory errors recovered, gc reliefs, checkpointing
-switched on or off, CRITICAL with nothing left to shrink, the size of
+switched on or off, CRITICAL with nothing left to shrink, the guard's
+advice on the DataLoader workers, the size of
 :meth:`memguard.Guard.infer`'s own plan changing (apart from the steps');
 the steps' shrink and grow decisions are marked on the micro-batch panel;
 any other event (a script's own, written with
@@ -80,6 +82,10 @@ class RunSummary:
         arena_budget_bytes: the arena's last budget, when it served tensors.
         max_level: the highest pressure level sampled.
         high_s: time spent at HIGH or above.
+        peak_workers: the most DataLoader workers (child processes) sampled.
+        peak_workers_bytes: the most they held alone, sampled.
+        workers_advice: the guard's advice on them (its ``workers`` event),
+            in words; ``None`` where it gave none.
     """
 
     path: str
@@ -101,6 +107,9 @@ class RunSummary:
     arena_budget_bytes: int | None
     max_level: Level | None
     high_s: float
+    peak_workers: int | None = None
+    peak_workers_bytes: int | None = None
+    workers_advice: str | None = None
 
     def rows(self) -> list[tuple[str, str]]:
         """(name, value) pairs for a table, sizes with their exact bytes."""
@@ -125,6 +134,10 @@ class RunSummary:
             ("arena budget", sz(self.arena_budget_bytes)),
             ("highest pressure level", "-" if self.max_level is None else self.max_level.name),
             ("time at HIGH or above", f"{self.high_s:.1f} s"),
+            ("DataLoader workers (child processes)",
+             "-" if self.peak_workers is None else
+             f"at most {self.peak_workers}, holding at most {sz(self.peak_workers_bytes)}"),
+            ("advice on the workers", self.workers_advice or "none"),
         ]
 
 
@@ -204,6 +217,7 @@ _DRAWN = {
     "rss_bytes": lambda s: _value(s.rss_bytes),
     "arena_allocated_bytes": lambda s: _value(s.arena_allocated_bytes),
     "arena_reserved_bytes": lambda s: _value(s.arena_reserved_bytes),
+    "children_bytes": lambda s: _value(s.children_bytes),
     "budget_bytes": lambda s: _value(s.budget_bytes or None),
     "arena_budget_bytes": lambda s: _value(s.arena_budget_bytes),
     "raw_level": lambda s: float(int(s.raw_level)),
@@ -228,6 +242,7 @@ class _Run:
         self.high_s = 0.0
         self._prev: tuple[float, Level] | None = None    # the last sample's (t, level)
         self.peak_rss = self.peak_arena = self.max_level = None
+        self.peak_workers = self.peak_workers_bytes = None
         self.budget = self.arena_budget = self.arena_budget_max = None   # last truthy; max
         self.top = 0                  # the largest RSS or arena reserved
         self.arena_budget_apart = False
@@ -238,6 +253,7 @@ class _Run:
         self.counts = dict.fromkeys((Event.OOM_RECOVERED.value, Event.OOM_GAVE_UP.value,
                                      Event.RELIEVE.value), 0)
         self.install_budget: int | None = None
+        self.workers_advice: str | None = None
         self.steps = self.micro_batch_changes = self.shrinks = self.grows = 0
         self._micro: float | None = None
         self.peak_step: int | None = None
@@ -275,7 +291,10 @@ class _Run:
         self.peak_rss = _bigger(self.peak_rss, s.rss_bytes)
         self.peak_arena = _bigger(self.peak_arena, s.arena_allocated_bytes)
         self.max_level = _bigger(self.max_level, s.level)
-        self.top = max(self.top, s.rss_bytes or 0, s.arena_reserved_bytes or 0)
+        self.peak_workers = _bigger(self.peak_workers, s.children)
+        self.peak_workers_bytes = _bigger(self.peak_workers_bytes, s.children_bytes)
+        self.top = max(self.top, s.rss_bytes or 0, s.arena_reserved_bytes or 0,
+                       s.children_bytes or 0)
         self.budget = s.budget_bytes or self.budget
         self.arena_budget = s.arena_budget_bytes or self.arena_budget
         self.arena_budget_max = _bigger(self.arena_budget_max, s.arena_budget_bytes)
@@ -297,6 +316,8 @@ class _Run:
             self.install_budget = int(e["budget_bytes"])
         elif name == Event.STEP:
             self._step(e)
+        elif name == Event.WORKERS and self.workers_advice is None:
+            self.workers_advice = _advice(e)
         elif name == Event.CHECKPOINT:
             self.checkpoints += 1
             self.max_blocks = _bigger(self.max_blocks, finite(e.get("blocks")))
@@ -375,7 +396,23 @@ class _Run:
             arena_budget_bytes=self.arena_budget,
             max_level=self.max_level,
             high_s=self.high_s,
+            peak_workers=self.peak_workers,
+            peak_workers_bytes=self.peak_workers_bytes,
+            workers_advice=self.workers_advice,
         )
+
+
+def _advice(e: dict) -> str:
+    """A ``workers`` event in words: the workers, their memory, and what a
+    lower ``num_workers`` would give back."""
+    n, held = finite(e.get("workers")), finite(e.get("workers_bytes"))
+    if n is None or held is None:
+        return "given (no figures)"
+    fewer = [f"num_workers={int(g['num_workers'])}: {size(g['bytes'])}"
+             for g in e.get("give_back") or () if isinstance(g, dict)
+             and finite(g.get("num_workers")) is not None and finite(g.get("bytes")) is not None]
+    return (f"step {e.get('step')}: {int(n)} workers held {size(int(held))}"
+            + (f"; would give back {', '.join(fewer)}" if fewer else ""))
 
 
 def scan(path: str | os.PathLike) -> _Run:
@@ -405,6 +442,7 @@ _LINES = {
     "checkpoint_off": ("checkpointing off (fewer blocks)", "#b197fc", "--", 1.4),
     Event.CRITICAL.value: ("CRITICAL, nothing left to shrink", "#862e9c", "-.", 1.4),
     Event.INFER_PLAN.value: ("inference resized (Guard.infer)", "#f76707", "--", 1.0),
+    Event.WORKERS.value: ("advice: fewer DataLoader workers", "#5c940d", "-.", 1.4),
     "other": ("other event", "#868e96", "-", 0.8),
 }
 
@@ -447,7 +485,7 @@ def _figure(title: str, run: _Run, summary: RunSummary) -> Any:
     _event_lines(axes, run, t0, handles)
     if run.t_hi >= run.t_lo:
         axes[-1].set_xlim(min(run.t_lo - t0, 0.0), run.t_hi - t0 + 1e-3)
-    order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "infer_plan", "relieve",
+    order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "infer_plan", "workers", "relieve",
              "checkpoint_on", "checkpoint_off", "critical", "other"]
     shown = [handles[k] for k in order if k in handles]
     if shown:
@@ -469,9 +507,10 @@ def _memory_panel(ax: Any, run: _Run, budget: int | None, t0: float) -> None:
     for field, label, colour, style in (
             ("rss_bytes", "RSS", "#1c7ed6", "-"),
             ("arena_allocated_bytes", "arena allocated", "#f08c00", "-"),
-            ("arena_reserved_bytes", "arena reserved", "#f08c00", ":")):
+            ("arena_reserved_bytes", "arena reserved", "#f08c00", ":"),
+            ("children_bytes", "DataLoader workers (child processes)", "#5c940d", "-")):
         xs, ys = line(field)
-        if any(not math.isnan(y) for y in ys):
+        if any(not math.isnan(y) and (y or field != "children_bytes") for y in ys):
             ax.plot(xs, ys, style, color=colour, lw=1.6, label=label)
             drawn = True
     if run.budget:
@@ -657,4 +696,9 @@ def _command(args: argparse.Namespace) -> int:
     for w in caught:
         print(f"memguard report: {w.message}", file=sys.stderr)
     print(f"report of {summary.steps} steps and {summary.samples} samples written to {out}")
+    if summary.peak_workers:
+        print(f"DataLoader workers (child processes): at most {summary.peak_workers}, "
+              f"holding at most {size(summary.peak_workers_bytes)}")
+    if summary.workers_advice:
+        print(f"advice on the workers: {summary.workers_advice}")
     return 0

@@ -30,14 +30,23 @@ def _mib(v: int | None) -> str:
     return "-" if v is None else f"{v / MiB:,.0f}"
 
 
+def _workers(s: Sample) -> str:
+    """The DataLoader workers (child processes) and what they hold alone:
+    `` workers 4 (600 MiB)``; empty without any."""
+    if not s.children:
+        return ""
+    return f" workers {s.children} ({_mib(s.children_bytes)} MiB)"
+
+
 def format_line(s: Sample) -> str:
-    """One human line per sample: memory, headroom, PSI, faults, level."""
+    """One human line per sample: memory (the process's resident bytes, its
+    DataLoader workers' apart), headroom, PSI, faults, level."""
     head = "-" if s.headroom_fraction is None else f"{s.headroom_fraction:.0%}"
     psi = "-" if s.psi_some_stall is None else f"{s.psi_some_stall:.1%}"
     used = "" if s.budget_used_fraction is None else f" budget {s.budget_used_fraction:.0%}"
     flt = "-" if s.major_faults_per_s is None else f"{s.major_faults_per_s:,.0f}"
     return (
-        f"rss {_mib(s.rss_bytes)} MiB (peak {_mib(s.rss_peak_bytes)}) "
+        f"rss {_mib(s.rss_bytes)} MiB (peak {_mib(s.rss_peak_bytes)}){_workers(s)} "
         f"avail {_mib(s.mem_available_bytes)} MiB headroom {head}{used} "
         f"psi {psi} majflt/s {flt} level {s.level.name}"
         + (f" ({', '.join(s.reasons)})" if s.reasons else "")

@@ -74,7 +74,7 @@ class Result:
 def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, steps: int,
         model: Model = VIT_S16, max_seconds: float | None = None, threads: int = 2,
         timeout_s: float = 900, telemetry: str | None = None, budget: str = "auto",
-        on_step: Any = None) -> Result:
+        on_step: Any = None, workers: int = 0, worker_bytes: int = 0) -> Result:
     """Train ``steps`` steps of ``model`` in ``mode`` (``"plain"`` or
     ``"memguard"``, with ``Guard(budget=budget)``), inside a new memory
     cgroup with ``limit`` bytes (``None``: none); the limit becomes ``b``
@@ -82,7 +82,8 @@ def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, s
     run that swaps may take minutes a step: ``max_seconds`` stops it after
     the first step past that time. ``telemetry``: samples (and memguard's
     decisions) go to this ``.jsonl``. ``on_step(record)`` is called with each
-    step's record as it arrives.
+    step's record as it arrives. ``workers``: DataLoader workers that each
+    hold ``worker_bytes`` of their own (:func:`_batches`).
 
     Raises:
         memguard.memory.limits.LimitUnavailable: no memory cgroup can be made here.
@@ -93,6 +94,7 @@ def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, s
            f"--steps={steps}", f"--threads={threads}", f"--budget={budget}", *model.args()]
     if telemetry:
         cmd.append(f"--telemetry={os.path.abspath(telemetry)}")
+    cmd += _workers_args(workers, worker_bytes)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT, env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)
@@ -151,6 +153,11 @@ def boundary_bound(steps: list[dict], factor: float = 1.25,
         worst = x if worst is None else max(worst, x)
         bad += x > 1
     return worst, bad
+
+
+def _workers_args(workers: int, worker_bytes: int) -> list[str]:
+    """The worker's flags for its DataLoader workers (none without any)."""
+    return [f"--workers={workers}", f"--worker-bytes={worker_bytes}"] if workers else []
 
 
 # ---------------------------------------------------------------- the worker
@@ -215,6 +222,58 @@ def _build(m: Model, threads: int):
     return model, opt, x, y
 
 
+def _add_workers_flags(p: argparse.ArgumentParser) -> None:
+    """The worker's flags for its DataLoader workers."""
+    p.add_argument("--workers", type=int, default=0,
+                   help="DataLoader workers (0: the batch is the same tensors each step)")
+    p.add_argument("--worker-bytes", type=int, default=0,
+                   help="bytes each DataLoader worker holds of its own")
+
+
+def _hold(worker_bytes: int, _worker_id: int) -> None:
+    """In a DataLoader worker: ``worker_bytes`` written, so they are its own
+    (a dataset's copy of what it loads, as each worker has)."""
+    global _held
+    _held = bytearray(b"\1") * worker_bytes
+
+
+def _batches(x: Any, y: Any, workers: int, worker_bytes: int, steps: int) -> Any:
+    """The batches, one a step: ``(x, y)`` itself without workers; with
+    them, a DataLoader of ``workers`` persistent workers, each holding
+    ``worker_bytes``, that hands out the indices of each batch, gathered
+    from ``x`` and ``y`` here (so the workers add only what they hold, not
+    batches in flight through shared memory)."""
+    import itertools
+
+    if not workers:
+        return itertools.repeat((x, y))
+    import functools
+
+    import torch
+
+    loader = torch.utils.data.DataLoader(
+        range(len(x) * steps), batch_size=len(x), num_workers=workers, persistent_workers=True,
+        worker_init_fn=functools.partial(_hold, worker_bytes))
+    return ((x[i % len(x)], y[i % len(x)]) for i in loader)
+
+
+def _workers_record(guard: Any, workers: int, advised: bool) -> dict[str, Any]:
+    """A step's figures of the DataLoader workers: their number and bytes
+    (the guard's newest sample, or one taken), and memguard's advice on them
+    at the first step that has it (``advised``: an earlier one had)."""
+    if not workers:
+        return {}
+    import memguard
+
+    s = guard.sampler.latest() if guard is not None and guard.sampler is not None else None
+    s = s or memguard.sample()
+    rec = {"children": s.children, "children_bytes": s.children_bytes}
+    advice = guard.boundary.workers if guard is not None else None
+    if advice is not None and advice.given and not advised:
+        rec["advice"] = advice.message
+    return rec
+
+
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -231,6 +290,7 @@ def worker(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", default="auto", help="memguard mode: the guard's budget")
     p.add_argument("--telemetry", default=None)
+    _add_workers_flags(p)
     for f in dataclasses.fields(Model):
         p.add_argument(f"--{f.name}", type=int, default=f.default)
     a = p.parse_args(argv)
@@ -255,18 +315,21 @@ def worker(argv: list[str] | None = None) -> int:
         sampler = memguard.Sampler()
         sampler.on_sample(exporter)
         sampler.start()
+    batches = _batches(x, y, a.workers, a.worker_bytes, a.steps)
+    advised = False
     for i in range(a.steps):
+        batch = next(batches)
         t0 = time.perf_counter()
         flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         rec: dict[str, Any] = {"step": i}
         if guard is None:
-            loss = loss_fn((x, y))
+            loss = loss_fn(batch)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             rec.update(micro=m.batch, loss=loss.item())
         else:
-            res = guard.step((x, y), loss_fn, opt)
+            res = guard.step(batch, loss_fn, opt)
             room = guard.room.last
             st = _C.arena_stats()
             rec.update(micro=res.micro_batch, n_micro=res.n_micro, retries=res.retries,
@@ -278,9 +341,12 @@ def worker(argv: list[str] | None = None) -> int:
         rec.update(seconds=time.perf_counter() - t0,
                    major_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0,
                    rss_bytes=_status_kib("VmRSS") * 1024, swap_bytes=_status_kib("VmSwap") * 1024)
+        rec.update(_workers_record(guard, a.workers, advised))
+        advised = advised or "advice" in rec
         if exporter is not None:
             exporter.event(Event.STEP, step=i, micro_batch=m.batch, n_micro=1)
         print(json.dumps(rec), flush=True)
+    getattr(batches, "close", lambda: None)()   # the DataLoader's workers, shut down
     del torch
     if guard is not None:
         guard.uninstall()

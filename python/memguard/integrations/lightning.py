@@ -188,7 +188,10 @@ class MemGuardCallback(_ReleaseAfterLoops):
         """What is logged: memory (the newest sample's RSS, and the arena's
         allocated bytes when it serves tensors) against the budget, in MiB;
         the pressure level (0 OK .. 3 CRITICAL); the micro-batch; OOMs
-        recovered; seconds spent in Python's gc."""
+        recovered; seconds spent in Python's gc; the DataLoader workers
+        (child processes) and their memory in MiB."""
+        from memguard.telemetry.workers import workers_metrics
+
         g = self.guard
         out: dict[str, float] = {
             "memguard/micro_batch": float(g.micro_batch),
@@ -205,6 +208,7 @@ class MemGuardCallback(_ReleaseAfterLoops):
                 out["memguard/rss_mib"] = s.rss_bytes / MiB
             if s.arena_allocated_bytes is not None:
                 out["memguard/arena_allocated_mib"] = s.arena_allocated_bytes / MiB
+            out.update(workers_metrics(s))   # memguard/workers, memguard/workers_mib
         if g.last is not None:
             out["memguard/step_peak_mib"] = g.last.peak_bytes / MiB
         return out

@@ -6,7 +6,8 @@ The data path: :mod:`~memguard.telemetry.samples` (one reading),
 :mod:`~memguard.telemetry.exporters` (JSONL and CSV files, TensorBoard in
 :mod:`~memguard.telemetry.tensorboard`), :mod:`~memguard.telemetry.events`
 (the names of what the guard records), :mod:`~memguard.telemetry.budget`
-(budgets as people write them).
+(budgets as people write them), :mod:`~memguard.telemetry.workers` (the
+process's DataLoader workers, apart from its own footprint).
 """
 from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.events import Event
@@ -28,6 +29,7 @@ from memguard.telemetry.samples import (
     Sample,
     sample,
 )
+from memguard.telemetry.workers import workers_metrics
 
 __all__ = [
     "FIELD_NAMES",
@@ -46,4 +48,5 @@ __all__ = [
     "parse_budget",
     "read_jsonl",
     "sample",
+    "workers_metrics",
 ]

@@ -41,6 +41,9 @@ class Event(str, enum.Enum):
     CUDA_OOM = "cuda_oom"
     #: tensors served past the soft tensor budget outside a guarded step
     OVERRUN = "overrun"
+    #: advice, once per guard: the DataLoader workers (child processes) hold
+    #: a tenth of the budget or more, or keep the step from its whole batch
+    WORKERS = "workers"
 
     def __str__(self) -> str:
         return self.value

@@ -5,7 +5,8 @@ In order: the pressure level of the last step (:class:`~memguard.train.signals.S
 the room now (:class:`~memguard.memory.room.Room`: the live budget, and the
 arena's budget and cache following it), a relief while pressure is HIGH, the
 peak meter restarted, the planner's budget synchronised with what the peaks
-measure, then the plan (:class:`~memguard.train.plan.Plan`).
+measure, then the plan (:class:`~memguard.train.plan.Plan`), and advice on
+the DataLoader workers, once (:class:`~memguard.train.workers.WorkersAdvice`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from memguard.train.overruns import Overruns
 from memguard.train.peaks import PeakMeter
 from memguard.train.plan import Plan
 from memguard.train.signals import Signals
+from memguard.train.workers import WorkersAdvice
 
 
 class Boundary:
@@ -39,6 +41,9 @@ class Boundary:
         self.seconds = 0.0
         #: whether the guard is installed (it manages the arena only then)
         self.active = False
+        #: advice on the DataLoader workers, from the boundary's sample
+        self.workers = WorkersAdvice(signals.event)
+        self._sample: Any = None   # the sample the room followed at this boundary
 
     def begin(self, batch: Any, n: int, peers: Any, step: int, budget: int) -> tuple[int, dict]:
         """The boundary before step number ``step`` of ``n`` samples:
@@ -51,6 +56,7 @@ class Boundary:
         self.floor = self.peak.start(batch, pushed)
         self.sync_budget(budget)
         begun = self.planner.begin(n, level, peers, step)
+        self.workers.check(self._sample, budget, n, begun[0], self.planner.planner, step)
         # only a calm step is the plan's own time (pressure, swap and
         # reliefs are not)
         self._t0 = time.perf_counter() if level == Level.OK else 0.0
@@ -128,7 +134,8 @@ class Boundary:
         outside = self.signals.take_outside_peak()
         if step:
             self.room.record_step(outside)
-        state = self.room.boundary(self.signals.latest_sample(), self.manages_arena())
+        self._sample = self.signals.latest_sample()
+        state = self.room.boundary(self._sample, self.manages_arena())
         if before is None or _moved(before.budget_bytes, state.budget_bytes):
             self.signals.event(Event.ROOM, step=step, **state.to_dict())
         if level >= Level.HIGH:
