@@ -63,6 +63,7 @@ except ImportError:  # the standalone package
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
 
 from memguard._common import MiB
+from memguard.telemetry import workers_metrics
 from memguard.train import outputs
 from memguard.train.batch import batch_size
 from memguard.train.guard import Guard
@@ -190,8 +191,6 @@ class MemGuardCallback(_ReleaseAfterLoops):
         the pressure level (0 OK .. 3 CRITICAL); the micro-batch; OOMs
         recovered; seconds spent in Python's gc; the DataLoader workers
         (child processes) and their memory in MiB."""
-        from memguard.telemetry.workers import workers_metrics
-
         g = self.guard
         out: dict[str, float] = {
             "memguard/micro_batch": float(g.micro_batch),
@@ -224,12 +223,13 @@ class MemGuardCallback(_ReleaseAfterLoops):
     def eval_metrics(self, stage: str) -> tuple[dict[str, float], dict[str, float]]:
         """What an evaluation loop logs (``stage``: ``val`` or ``test``),
         over the loop: the smallest micro-batch of the inference plan, and
-        the largest RSS and pressure level."""
+        the largest RSS, pressure level and DataLoader workers' count and memory."""
         g = self.guard
         smallest = {f"memguard/{stage}_micro_batch": float(g.inference.micro)}
         largest = {f"memguard/{stage}_{k.partition('/')[2]}": v
                    for k, v in self.metrics().items()
-                   if k in ("memguard/rss_mib", "memguard/pressure_level")}
+                   if k in ("memguard/rss_mib", "memguard/pressure_level", "memguard/workers",
+                            "memguard/workers_mib")}
         return smallest, largest
 
     def _log_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
