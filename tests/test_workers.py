@@ -79,6 +79,9 @@ def run(tmp_path_factory):
                             interval_ms=20) as g:
             for _ in range(3):
                 g.step(next(it), lambda b: model(b).square().mean(), opt)
+        with memguard.Guard(budget=budget, allocator=False) as g, g.evaluate():
+            for _ in range(3):                   # an evaluation alone: advised too
+                g.infer(next(it), model)
     del it, loader
     return s, [w for w in caught if issubclass(w.category, WorkersWarning)], path
 
@@ -103,7 +106,8 @@ def test_advice_given_once_with_its_event(run):
     one ``workers`` event, both naming the workers, their bytes and what
     fewer would give back."""
     _, caught, path = run
-    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert len(caught) == 2, [str(w.message) for w in caught]   # the steps', the evaluation's
+    assert f"{WORKERS} DataLoader workers (child processes) hold" in str(caught[1].message)
     msg = str(caught[0].message)
     assert f"{WORKERS} DataLoader workers (child processes) hold" in msg
     assert "num_workers=1 would give back about" in msg and "num_workers=0 about" in msg

@@ -86,6 +86,9 @@ class InferencePlan:
         if first:
             self.planner.set_align(8 if self.peak.source == "cuda" else 1)
         micro = int(self.planner.begin(n, level))
+        if first:        # an evaluation alone says what the workers cost it too
+            guard.boundary.workers.check(guard.signals.latest_sample(), guard.budget_bytes, n,
+                                         micro, self.planner, guard.steps, "an inference")
         if micro == self._size:
             return micro, False
         if not first:

@@ -7,7 +7,8 @@ step below its whole batch (the planner's predicted peak of the whole batch
 would fit the room the workers take), memguard says so once: a
 :class:`WorkersWarning` and a ``workers`` event naming their number, their
 memory and what a lower ``num_workers`` would give back. It never changes
-the loader. The check reads the sample the step boundary already took, and
+the loader. It is checked at step boundaries and at each inference's first
+(an evaluation alone is advised too), from the sample read there, and
 waits for the workers' number to hold over two boundaries: a loader starts
 its workers one by one, and the first boundary may see only some of them.
 """
@@ -45,10 +46,11 @@ class WorkersAdvice:
         self._seen = 0     # the workers at the previous boundary
 
     def check(self, s: Sample | None, budget: int, n: int, micro: int, planner: Any,
-              step: int) -> bool:
-        """At a step boundary: the boundary's sample ``s``, the process's
-        ``budget``, the batch of ``n`` samples planned at ``micro`` by
-        ``planner`` (a ``_C.Planner``). Advises at most once; whether it did now."""
+              step: int, what: str = "the step") -> bool:
+        """At a step boundary (or an inference's first, ``what``: "an
+        inference"): the boundary's sample ``s``, the process's ``budget``,
+        the batch of ``n`` samples planned at ``micro`` by ``planner`` (a
+        ``_C.Planner``). Advises at most once; whether it did now."""
         if self.given or s is None:
             return False
         workers, held = int(s.children or 0), int(s.children_bytes or 0)
@@ -64,15 +66,15 @@ class WorkersAdvice:
         if not reasons:
             return False
         self.given = True
-        self._say(workers, held, budget, reasons, n, micro, whole, step)
+        self._say(workers, held, budget, reasons, n, micro, whole, step, what)
         return True
 
     def _say(self, workers: int, held: int, budget: int, reasons: list[str], n: int,
-             micro: int, whole: int | None, step: int) -> None:
+             micro: int, whole: int | None, step: int, what: str) -> None:
         """The warning and the event."""
         why = f", {held / budget:.0%} of the budget ({size(budget)})"
         if whole is not None:
-            why += (f"; they keep the step at micro-batch {micro} of {n}: without them the "
+            why += (f"; they keep {what} at micro-batch {micro} of {n}: without them the "
                     f"whole batch (predicted peak {size(whole)}) would fit")
         head, _, fewer = describe(workers, held).partition("; ")
         self.message = (f"memguard: {head}{why}" + (f"; {fewer}" if fewer else "")
