@@ -448,6 +448,10 @@ def summarize_validation(records: list[dict]) -> tuple[list[str], dict, dict]:
                  f"<= {t['e_faults']} of it)  {v['e_faults']}")
     data.update(e=e, verdict=v)
     per_test[m["nodeid"]] = {"settle_batches": settle, "vs_plain": vs_plain}
+    for r in records:     # each batch's seconds and size, in the JSON
+        per_test.setdefault(r["nodeid"], {}).update(
+            batch_seconds=[round(b["seconds"], 2) for b in r["steps"]],
+            batch_micro=[b["micro"] for b in r["steps"]])
     return lines, data, per_test
 
 

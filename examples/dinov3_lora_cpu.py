@@ -34,12 +34,14 @@ seconds, and takes little memory. The real pressure: run the script in a
 memory cgroup with the live budget (``--budget auto``), a hog that takes
 most of the limit, and the full-size model's memory at stake, e.g.
 
-    systemd-run --scope -p MemoryMax=1500M -p MemorySwapMax=2G \
+    systemd-run --scope -p MemoryMax=1G -p MemorySwapMax=1G \
         python examples/dinov3_lora_cpu.py --budget auto --tensor-budget none \
-        --hog-mib 1000 --val-batch 512
+        --hog-mib 500 --val-batch 512
 
 (memguard then reads the room from the cgroup: its limit less what the
-others in it, the hog and the workers, use).
+others in it, the hog and the workers, use). In a 1 GiB cgroup with swap,
+the first validation batch of 512 ran whole (a 300 MiB peak), the next ones
+at micro-batches of 14 to 10 once the hog had taken its memory.
 
 The backbone is a small ViT built here (DINOv3's module names: ``qkv`` and
 ``proj`` in attention, ``fc1``/``fc2`` in the MLP), frozen; LoRA comes from

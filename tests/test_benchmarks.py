@@ -400,6 +400,7 @@ def test_validation_summary_judges_each_target() -> None:
     assert e["swap_growth_bytes"] == 0 and e["micro_batches"] == [32] * 5
     assert set(data["verdict"].values()) == {"PASS"}, lines
     assert per_test["e-mg"]["settle_batches"] == 1
+    assert per_test["e-plain"]["batch_seconds"] == [10.0] * 3 + [60.0] * 2
 
 
 @pytest.mark.parametrize("runs, want", [
