@@ -13,6 +13,12 @@ process (pytest-benchmark times the run); the figures are its steps:
 (d) an out-of-memory error at the whole batch in the first step, then the
     limit raised well above the whole batch's need (memguard alone: the
     plain loop has no batch to give back);
+(e) a validation loop (the story's lost epoch), the limit lowered while it
+    runs: the plain loop's ``model(batch)`` under ``torch.no_grad()``
+    against ``guard.infer(batch, model)`` inside ``guard.evaluate()``,
+    predictions kept as numpy values, each batch the same
+    (``workload.run_validation``). Its batch (128 at 224 px) fits the
+    limit before the drop (about 1.1 GB at its peak) and not after it.
 (f) the first user's run with 4 DataLoader workers that each hold 150 MiB
     of their own (a dataset's copy in each worker), under the limit from
     the start: the plain loop against memguard, whose advice on the workers
@@ -55,6 +61,14 @@ Targets (figures, not timed tests):
   the whole batch failed under the lower limit;
 - at every step boundary, the arena's reserved bytes are at most 1.25x the
   recent peak allocated, plus 64 MiB;
+- (e) memguard settles within 2 batches of the drop: the first post-drop
+  batch from which its throughput to the end is at least 0.8x its own
+  pre-drop throughput (batch 0 left out: start-up) is at most the third
+  (OVER where it never gets there); its post-drop throughput is at least
+  3x the plain loop's post-drop throughput; its swap grows by at most
+  16 MiB from the third post-drop batch to the last, and the major faults
+  of each of the last two post-drop batches are at most 1 % of the first
+  post-drop batch's.
 - (f) memguard's throughput is at least 2x the plain loop's (the issue's
   reference run: 2.85x), and memguard gave its advice on the workers,
   naming all 4 (FAIL where it did not).
@@ -63,7 +77,7 @@ The plain loop swaps for tens of seconds a step: it is stopped once it has
 run ``plain_max_s`` seconds. Without root, a memory cgroup or swap, the
 benchmark skips and says why.
 
-    pytest benchmarks/bench_pressure.py --benchmark-only
+    pytest benchmarks/bench_pressure.py --benchmark-only [-k validation]
 """
 from __future__ import annotations
 
@@ -369,6 +383,117 @@ def _memguard_d(md: dict, lines: list[str], per_test: dict) -> tuple[dict, dict]
     return {"oom_at_start": oom, "tried": tried, "steps_to_full": grown}, v
 
 
+# -------------------------------------------------- (e) the validation loop
+SECTION_E = "pressure_validation"
+TITLE_E = ("pressure (e): a ViT-S/16 + LoRA validation loop under a memory cgroup with swap, "
+           "the limit lowered while it runs")
+TARGETS_E = {"e_settle_batches": 2, "e_throughput": 0.8, "e_vs_plain": 3.0,
+             "e_swap_growth": 16 * MiB, "e_faults": 0.01}
+
+#: (e): the model (its ``batch``: the validation batch), the limit before
+#: the drop (the plain loop fits) and after it (it does not), the batches
+#: before the drop and after it, the plain loop's time cap
+FULL_E = {"model": workload.Model(batch=128), "high": 3000 * MiB, "limit": 800 * MiB,
+          "pre": 3, "post": 5, "plain_max_s": 240}
+QUICK_E = {"model": workload.Model(img=112, batch=128), "high": 3000 * MiB,
+           "limit": 650 * MiB, "pre": 2, "post": 3, "plain_max_s": 90}
+
+
+@pytest.mark.parametrize("mode", ["plain", "memguard"])
+def test_validation_limit_lowered(benchmark, figures: Figures, quick: bool, swap,
+                                  mode: str) -> None:
+    """(e): a validation loop, the limit lowered below the plain loop's need
+    after batch ``pre`` - 1."""
+    figures.section(SECTION_E, TITLE_E, summarize_validation)
+    s = QUICK_E if quick else FULL_E
+    out: dict = {}
+    benchmark.group = "pressure: whole run"
+    benchmark.pedantic(lambda: out.update(r=workload.run_validation(
+        mode, s["high"], [(s["pre"] - 1, s["limit"])], batches=s["pre"] + s["post"],
+        model=s["model"], max_seconds=s["plain_max_s"] if mode == "plain" else None)),
+        rounds=1, iterations=1)
+    r: workload.Result = out["r"]
+    if mode == "memguard" and r.returncode != 0:
+        pytest.fail(f"memguard's run failed (status {r.returncode}):\n{r.stderr}")
+    benchmark.extra_info.update(batches_done=len(r.steps), killed=r.killed)
+    figures.record(SECTION_E, benchmark.fullname, {
+        "mode": mode, "steps": r.steps, "killed": r.killed, "stopped_by_time": r.stopped_by_time,
+        "batch": s["model"].batch, "img": s["model"].img, "high": s["high"],
+        "limit": s["limit"], "pre": s["pre"], "post": s["post"]})
+
+
+def _rate(batches: list[dict], batch: int) -> float | None:
+    """Samples a second over ``batches``."""
+    return ratio(batch * len(batches), sum(b["seconds"] for b in batches)) if batches else None
+
+
+def _validation_line(r: dict) -> str:
+    pre, steps = r["pre"], r["steps"]
+    end = " (killed by the kernel)" if r["killed"] else \
+        " (stopped: time cap)" if r["stopped_by_time"] else ""
+    last = steps[-1] if steps else {}
+    return (f"(e) {r['mode']:9} before {_steps_line(steps[:pre])} | after the drop "
+            f"{_steps_line(steps[pre:]) or '-'}{end}; swap at the end "
+            f"{last.get('swap_bytes', 0) / MiB:,.0f} MiB")
+
+
+def summarize_validation(records: list[dict]) -> tuple[list[str], dict, dict]:
+    """(e)'s lines, figures and verdicts (see the module's targets)."""
+    by = {r["mode"]: r for r in records}
+    first, t = records[0], TARGETS_E
+    lines = [(f"batch {first['batch']} at {first['img']} px; limit "
+              f"{first['high'] / MiB:,.0f} MiB, {first['limit'] / MiB:,.0f} MiB after batch "
+              f"{first['pre'] - 1}; seconds@micro-batch per batch")]
+    lines += [_validation_line(by[m]) for m in ("plain", "memguard") if m in by]
+    data: dict = {"measured": True, "targets": t}
+    per_test: dict[str, dict] = {}
+    p, m = by.get("plain"), by.get("memguard")
+    plain_post = _rate(p["steps"][p["pre"]:], p["batch"]) if p else None
+    if m is None:
+        return lines, data, per_test
+    pre, batch, steps = m["pre"], m["batch"], m["steps"]
+    post = steps[pre:]
+    before = _rate(steps[1:pre] or steps[:pre], batch)
+    settle = next((k for k in range(len(post))
+                   if (ratio(_rate(post[k:], batch), before) or 0) >= t["e_throughput"]), None)
+    n = t["e_settle_batches"]
+    tp = ratio(_rate(post[n:], batch), before)
+    vs_plain = ratio(_rate(post, batch), plain_post)
+    swap = [b.get("swap_bytes", 0) for b in post[n:]]
+    growth = swap[-1] - swap[0] if swap else None
+    f1 = post[0]["major_faults"] if post else None
+    tail = max((b["major_faults"] for b in post[-2:]), default=None)
+    micros = [b["micro"] for b in post]
+    e = {"settle_batches": settle, "throughput_ratio": tp, "vs_plain": vs_plain,
+         "plain_post_rate": plain_post, "memguard_post_rate": _rate(post, batch),
+         "pre_rate": before, "swap_growth_bytes": growth, "first_post_drop_faults": f1,
+         "tail_faults": tail, "micro_batches": micros}
+    v = {"e_settle_batches": _never(settle, n, bool(before and post)),
+         "e_throughput": verdict(tp, t["e_throughput"], higher_is_better=True),
+         "e_vs_plain": verdict(vs_plain, t["e_vs_plain"], higher_is_better=True),
+         "e_swap_growth": verdict(growth, t["e_swap_growth"]),
+         "e_faults": share_verdict(tail, f1, t["e_faults"])}
+    settled = ("never settles" if settle is None else
+               f"settles after {fmt(settle, 'd')} post-drop batch(es)")
+    lines.append(f"(e) memguard {settled} (target <= {n})  {v['e_settle_batches']}; "
+                 f"throughput from post-drop batch {n + 1} on "
+                 f"{fmt(tp)}x its own before the drop (target >= {t['e_throughput']})  "
+                 f"{v['e_throughput']}")
+    lines.append(f"(e) after the drop memguard {fmt(e['memguard_post_rate'])} samples/s, plain "
+                 f"{fmt(plain_post)}: {fmt(vs_plain)}x (target >= {t['e_vs_plain']:.0f}x)  "
+                 f"{v['e_vs_plain']}; micro-batches {micros}")
+    lines.append(f"(e) memguard's swap grows {fmt(growth and growth / MiB, ',.0f')} MiB from "
+                 f"post-drop batch {n + 1} to the last (target <= "
+                 f"{t['e_swap_growth'] / MiB:.0f})  {v['e_swap_growth']}; major faults: first "
+                 f"after the drop {fmt(f1, ',')}, the last two at most {fmt(tail, ',')} (target "
+                 f"<= {t['e_faults']} of it)  {v['e_faults']}")
+    data.update(e=e, verdict=v)
+    per_test[m["nodeid"]] = {"settle_batches": settle, "vs_plain": vs_plain}
+    for r in records:     # each batch's seconds and size, in the JSON
+        per_test.setdefault(r["nodeid"], {}).update(
+            batch_seconds=[round(b["seconds"], 2) for b in r["steps"]],
+            batch_micro=[b["micro"] for b in r["steps"]])
+    return lines, data, per_test
 def _workers_f(pf: dict | None, mf: dict | None, lines: list[str],
                per_test: dict) -> tuple[dict, dict]:
     """(f)'s figures and verdicts: each run's steps with the workers' memory,

@@ -411,6 +411,57 @@ def test_pressure_summary_fails_each_missed_target(case: str, runs: dict, want: 
                    and ln.endswith("FAIL") for ln in lines), lines
 
 
+def _validation_runs(post: list[float] = (30.0, 11.0, 10.0, 10.0, 10.0),
+                     faults: list[int] = (5000, 100, 0, 0, 0), swap: int = 0,
+                     plain_post: float = 60.0) -> list[dict]:
+    """Made-up bench_pressure (e) runs: three batches of 128 at 10 s before
+    the drop, then the plain loop's two at ``plain_post`` s and memguard's
+    ``post`` (with those ``faults``, its swap growing by ``swap`` a batch
+    from the third)."""
+    common = {"batch": 128, "img": 224, "high": 3000 * MiB, "limit": 800 * MiB, "pre": 3,
+              "post": 5, "killed": False, "stopped_by_time": False}
+
+    def batch(i, s, micro=128, f=0, sw=0):
+        return {"step": i, "seconds": s, "micro": micro, "major_faults": f, "swap_bytes": sw,
+                "rss_bytes": 900 * MiB}
+    before = [batch(i, 10.0) for i in range(3)]
+    plain = dict(common, mode="plain", nodeid="e-plain", stopped_by_time=True,
+                 steps=before + [batch(3 + k, plain_post) for k in range(2)])
+    mg = dict(common, mode="memguard", nodeid="e-mg", steps=before + [
+        batch(3 + k, s, 32, f, max(0, k - 1) * swap) for k, (s, f) in enumerate(zip(post, faults))])
+    return [plain, mg]
+
+
+def test_validation_summary_judges_each_target() -> None:
+    """bench_pressure (e)'s verdicts from made-up runs that meet every target:
+    settled at the second post-drop batch, (its own pre-drop speed from the
+    third on), 4.2x the plain loop's post-drop throughput."""
+    bench = bench_module("bench_pressure")
+    lines, data, per_test = bench.summarize_validation(_validation_runs())
+    e = data["e"]
+    assert e["settle_batches"] == 1 and e["throughput_ratio"] == 1.0
+    assert e["vs_plain"] == pytest.approx((640 / 71) / (256 / 120))
+    assert e["swap_growth_bytes"] == 0 and e["micro_batches"] == [32] * 5
+    assert set(data["verdict"].values()) == {"PASS"}, lines
+    assert per_test["e-mg"]["settle_batches"] == 1
+    assert per_test["e-plain"]["batch_seconds"] == [10.0] * 3 + [60.0] * 2
+
+
+@pytest.mark.parametrize("runs, want", [
+    ({"post": [30.0] * 5}, {"e_settle_batches": "OVER", "e_throughput": "UNDER",
+                            "e_vs_plain": "UNDER"}),
+    ({"plain_post": 20.0}, {"e_vs_plain": "UNDER"}),
+    ({"swap": 20 * MiB}, {"e_swap_growth": "OVER"}),
+    ({"faults": [5000, 100, 0, 0, 51]}, {"e_faults": "OVER"}),
+])
+def test_validation_summary_fails_each_missed_target(runs: dict, want: dict) -> None:
+    """A made-up (e) run that misses a target: that verdict says so, the
+    others PASS."""
+    bench = bench_module("bench_pressure")
+    lines, data, _ = bench.summarize_validation(_validation_runs(**runs))
+    assert data["verdict"] == dict({k: "PASS" for k in data["verdict"]}, **want), lines
+
+
 def _cuda_rec(mode: str, budget: int = 0, **kw) -> dict:
     """A made-up record of bench_cuda: 1,000 MiB reserved at the peak, 1,300
     MiB of the device in use (300 MiB of it outside the allocator)."""

@@ -74,7 +74,8 @@ class Result:
 def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, steps: int,
         model: Model = VIT_S16, max_seconds: float | None = None, threads: int = 2,
         timeout_s: float = 900, telemetry: str | None = None, budget: str = "auto",
-        on_step: Any = None, workers: int = 0, worker_bytes: int = 0) -> Result:
+        on_step: Any = None, workers: int = 0, worker_bytes: int = 0,
+        worker_args: list[str] = ()) -> Result:
     """Train ``steps`` steps of ``model`` in ``mode`` (``"plain"`` or
     ``"memguard"``, with ``Guard(budget=budget)``), inside a new memory
     cgroup with ``limit`` bytes (``None``: none); the limit becomes ``b``
@@ -83,7 +84,8 @@ def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, s
     the first step past that time. ``telemetry``: samples (and memguard's
     decisions) go to this ``.jsonl``. ``on_step(record)`` is called with each
     step's record as it arrives. ``workers``: DataLoader workers that each
-    hold ``worker_bytes`` of their own (:func:`_batches`).
+    hold ``worker_bytes`` of their own (:func:`_batches`). ``worker_args`` go
+    on the worker's command line (:func:`run_validation` passes its task there).
 
     Raises:
         memguard.memory.limits.LimitUnavailable: no memory cgroup can be made here.
@@ -91,7 +93,8 @@ def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, s
     from memguard.memory.limits import MemoryLimit
 
     cmd = [sys.executable, "-u", "-m", "memguard.cli.workload", f"--mode={mode}",
-           f"--steps={steps}", f"--threads={threads}", f"--budget={budget}", *model.args()]
+           f"--steps={steps}", f"--threads={threads}", f"--budget={budget}", *model.args(),
+           *worker_args]
     if telemetry:
         cmd.append(f"--telemetry={os.path.abspath(telemetry)}")
     cmd += _workers_args(workers, worker_bytes)
@@ -136,6 +139,18 @@ def run(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *, s
     result.returncode = proc.returncode
     result.killed = proc.returncode == -signal.SIGKILL and not result.stopped_by_time
     return result
+
+
+def run_validation(mode: str, limit: int | None, schedule: list[tuple[int, int]] = (), *,
+                   batches: int, model: Model = VIT_S16, **kw: Any) -> Result:
+    """A validation loop of ``batches`` batches of ``model.batch`` images
+    in ``mode``, as :func:`run` trains (the same limits, ``schedule`` after
+    batch ``k``, and keywords). ``"plain"``: ``model(batch)`` under
+    ``torch.no_grad()``; ``"memguard"``: ``guard.infer(batch, model)``
+    inside ``guard.evaluate()``. Each record's ``step`` is the batch's
+    index, ``micro`` the size the inference ran at."""
+    return run(mode, limit, schedule, steps=batches, model=model,
+               worker_args=["--task=validate"], **kw)
 
 
 def boundary_bound(steps: list[dict], factor: float = 1.25,
@@ -282,8 +297,60 @@ def _status_kib(key: str) -> int:
     return 0
 
 
+def _validate(a: argparse.Namespace, m: Model) -> int:
+    """The worker's validation loop (``--task=validate``): the same batch
+    ``a.steps`` times, its predictions kept as plain values (numpy), one
+    JSON line per batch."""
+    import torch
+
+    import memguard
+
+    model, _, x, _ = _build(m, a.threads)
+    model.eval()
+    guard = None
+    if a.mode == "memguard":
+        guard = memguard.Guard(budget=a.budget, telemetry=a.telemetry).install()
+    preds = []
+    with guard.evaluate() if guard is not None else contextlib.nullcontext():
+        for i in range(a.steps):
+            t0 = time.perf_counter()
+            flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            rec: dict[str, Any] = {"step": i}
+            if guard is None:
+                with torch.no_grad():
+                    out = model(x)
+                rec["micro"] = m.batch
+            else:
+                out = guard.infer(x, model)
+                rec.update(_inference_record(guard))
+            preds.append(out.numpy())
+            rec.update(seconds=time.perf_counter() - t0, predictions=sum(map(len, preds)),
+                       major_faults=resource.getrusage(resource.RUSAGE_SELF).ru_majflt - flt0,
+                       rss_bytes=_status_kib("VmRSS") * 1024,
+                       swap_bytes=_status_kib("VmSwap") * 1024,
+                       peak_rss_bytes=_status_kib("VmHWM") * 1024)
+            print(json.dumps(rec), flush=True)
+    if guard is not None:
+        guard.uninstall()
+    return 0
+
+
+def _inference_record(guard: Any) -> dict[str, Any]:
+    """What the guard's inference plan did in the last ``infer``: the size
+    it settled on, its last decision and why, its changes so far, and the
+    room it planned in."""
+    from memguard import _C
+
+    st, room = guard.inference.state(), guard.room.last
+    return {"micro": guard.inference.micro, "action": st["action"], "reason": st["reason"],
+            "changes": guard.inference.changes, "ooms_recovered": guard.ooms_recovered,
+            "planner_budget_bytes": st["budget_bytes"], "budget_bytes": room.budget_bytes,
+            "reserved_bytes": _C.arena_stats()["reserved_bytes.current"]}
+
+
 def worker(argv: list[str] | None = None) -> int:
-    """The worker's main: train, one JSON line per step on stdout."""
+    """The worker's main: train (or validate: ``--task=validate``), one
+    JSON line per step (batch) on stdout."""
     p = argparse.ArgumentParser(prog="python -m memguard.cli.workload")
     p.add_argument("--mode", choices=("plain", "memguard"), required=True)
     p.add_argument("--steps", type=int, required=True)
@@ -291,10 +358,13 @@ def worker(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="auto", help="memguard mode: the guard's budget")
     p.add_argument("--telemetry", default=None)
     _add_workers_flags(p)
+    p.add_argument("--task", choices=("train", "validate"), default="train")
     for f in dataclasses.fields(Model):
         p.add_argument(f"--{f.name}", type=int, default=f.default)
     a = p.parse_args(argv)
     m = Model(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Model)})
+    if a.task == "validate":
+        return _validate(a, m)
     import torch
     from torch import nn
 
