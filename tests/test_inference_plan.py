@@ -200,3 +200,29 @@ def test_a_smallest_size_refused_by_memguards_budget_goes_on_past_it(arena):
         torch.testing.assert_close(out, MiB // 4 + x[:, 0])
         assert sizes == [4, 2, 1, 1, 1, 1, 1] and guard.inference.micro == 1
         assert allocator.stats()["num_overruns"] > 0
+
+
+def test_an_inference_caches_no_more_than_its_working_set_bound(arena):
+    """A forward frees blocks of many sizes, each of its own class: kept
+    cached, the process would hold their sum. While an inference runs the
+    cache is held to a quarter of its metered peak plus 64 MiB (64 MiB
+    before one), and the limit there was before comes back after it."""
+    def layers(mb: torch.Tensor) -> torch.Tensor:
+        for i in range(1, 9):            # 8, 16, ... 64 MiB, each freed before the next
+            t = torch.ones(i * 2 * MiB)
+            del t
+        return mb.sum(1)
+
+    with Guard(budget=None, tensor_budget="4GiB") as guard:
+        if guard.allocator_error is not None:
+            pytest.skip(guard.allocator_error)
+        for _ in range(2):               # the first before any peak, the second after
+            allocator.trim()
+            allocator.reset_peaks()
+            guard.infer(torch.zeros(4, 4), layers)
+            st = allocator.stats()
+            held = st["reserved_bytes.peak"] - st["allocated_bytes.peak"]
+            assert held <= 0.25 * guard.inference.arena_peak + 64 * MiB + 8 * MiB, held
+            assert st["cached_bytes"] <= held
+        assert guard.inference.arena_peak >= 64 * MiB
+        assert st["cache_limit_bytes"] == 0      # none after it, as before
