@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
