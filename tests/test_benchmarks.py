@@ -448,9 +448,8 @@ def test_validation_summary_judges_each_target() -> None:
 
 
 @pytest.mark.parametrize("runs, want", [
-    ({"post": [30.0] * 5}, {"e_settle_batches": "OVER", "e_throughput": "UNDER",
-                            "e_vs_plain": "UNDER"}),
-    ({"plain_post": 20.0}, {"e_vs_plain": "UNDER"}),
+    ({"post": [30.0] * 5}, {"e_settle_batches": "OVER", "e_throughput": "UNDER"}),
+    ({"plain_post": 10.0}, {"e_vs_plain": "UNDER"}),     # the plain loop faster
     ({"swap": 20 * MiB}, {"e_swap_growth": "OVER"}),
     ({"faults": [5000, 100, 0, 0, 51]}, {"e_faults": "OVER"}),
 ])

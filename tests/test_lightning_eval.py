@@ -16,6 +16,8 @@ L = pytest.importorskip("lightning.pytorch")
 
 import memguard
 from memguard.lightning import MemGuardCallback, MemGuardModule
+from tests.test_lightning import WideMLP as PlainWide
+from tests.test_lightning import wide_data
 
 N, BATCH, D = 48, 16, 8
 
@@ -186,37 +188,9 @@ def test_memguard_combine_sets_the_rule(tmp_path):
     assert seen == [BATCH] * (N // BATCH)
 
 
-class PlainWide(L.LightningModule):
-    """256 -> 4096 -> 1, trained at batch 64 and validated at 8192: the
-    validation forward allocates 128 MiB at once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.ReLU(),
-                                       torch.nn.Linear(4096, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 class WideMLP(MemGuardModule, PlainWide):
-    """The same, guarded."""
-
-
-def wide_data(n: int, batch: int) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(0)
-    ds = torch.utils.data.TensorDataset(torch.randn(n, 256, generator=g),
-                                        torch.randn(n, 1, generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=batch)
+    """256 -> 4096 -> 1 validated at 8192 (its forward allocates 128 MiB at
+    once), guarded."""
 
 
 def test_fit_validates_past_the_tensor_budget_by_splitting(tmp_path):
