@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memguard import Guard
+from memguard.memory.gc_hooks import GcHooks
 from memguard.train.interrupts import held
 
 F = torch.nn.functional
@@ -220,7 +221,10 @@ def _memguard_lines(sig: int, at: int) -> tuple:
     code runs (the step's entry, the boundary, the attempts, the commit),
     and the count of lines it saw. The line of a ``with`` statement is not
     counted: a trace function there runs where a signal's handler never
-    does, between a lock's ``__exit__`` and the block it ends (bpo-29988)."""
+    does, between a lock's ``__exit__`` and the block it ends (bpo-29988).
+    Nor are the lines of the gc hooks' callback, which runs wherever a
+    collection happens to start: CPython drops what a gc callback raises
+    (a KeyboardInterrupt too, printed as unraisable), for any callback."""
     import linecache
 
     seen = [0]
@@ -237,6 +241,8 @@ def _memguard_lines(sig: int, at: int) -> tuple:
         return local
 
     def tracer(frame, event, arg):
+        if frame.f_code is GcHooks._callback.__code__:
+            return None
         return local if here in frame.f_code.co_filename else None
 
     return tracer, seen
