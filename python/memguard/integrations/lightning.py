@@ -471,9 +471,8 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
     def loss_fn(micro: Any) -> Any:
         # the micro-batch's logs weigh what its loss does: the weight the
         # step returned, else its samples
-        out = logs.run(self, lambda: user(self, micro, batch_idx, *args, **kwargs),
-                       lambda out: _loss_weight(out, micro))
-        return out
+        return logs.run(self, lambda: user(self, micro, batch_idx, *args, **kwargs),
+                        lambda out: _loss_weight(out, micro))
 
     restore = [getattr(self, name) for name in self.memguard_restore]
     try:

@@ -85,14 +85,15 @@ class InferencePlan:
         boundary)."""
         if first:
             self._meter(batch)         # first: the budget is that of the peaks' source
-        level = self._level(guard, first)
+        sample = guard.signals.latest_sample() if first else guard.signals.delivered()
+        level = self._level(guard, sample, first)
         self.planner.set_budget(guard.boundary.budget_of(self.peak.source, guard.budget_bytes))
         if first:
             self.planner.set_align(8 if self.peak.source == "cuda" else 1)
         micro = int(self.planner.begin(n, level))
         if first:        # an evaluation alone says what the workers cost it too
-            guard.boundary.workers.check(guard.signals.latest_sample(), guard.budget_bytes, n,
-                                         micro, self.planner, guard.steps, "an inference")
+            guard.boundary.workers.check(sample, guard.budget_bytes, n, micro, self.planner,
+                                         guard.steps, "an inference")
         if micro == self._size:
             return micro, False
         if not first:
@@ -146,15 +147,15 @@ class InferencePlan:
         """Meter the next micro-batch's peak, from what its source holds now."""
         self._floor = self.peak.start(batch)
 
-    def _level(self, guard: Guard, first: bool) -> int:
-        """The pressure level the boundary acts on, and the room followed.
-        A call's first boundary reads the newest sample there is and follows
-        the room, as a step boundary does; the others only what the
-        sampler's callbacks delivered since, which costs nothing to read. A
+    def _level(self, guard: Guard, s: Any, first: bool) -> int:
+        """The pressure level the boundary acts on, and the room followed,
+        from ``s``: at a call's first boundary the newest sample there is
+        (the room followed, as a step boundary does); at the others only
+        what the sampler's callbacks delivered since, which costs nothing to
+        read. A
         sample's level counts once: while none newer comes, the size holds
         at ELEVATED and above, as the step boundary after a shrink for HIGH
         does."""
-        s = guard.signals.latest_sample() if first else guard.signals.delivered()
         t = getattr(s, "t", None)
         fresh = t is not None and t > self._seen_t
         if fresh or first:
