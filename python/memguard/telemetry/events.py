@@ -44,6 +44,25 @@ class Event(str, enum.Enum):
     #: advice, once per guard: the DataLoader workers (child processes) hold
     #: a tenth of the budget or more, or keep the step from its whole batch
     WORKERS = "workers"
+    #: once per episode: the memory a run holds between steps grows, and at
+    #: its rate reaches the budget within the horizon. Fields: ``step``,
+    #: ``source`` (what was measured: "arena", "cuda", "rss"),
+    #: ``level_bytes`` (the trend's value now), ``rate_bytes_per_step``,
+    #: ``rate_bytes_per_epoch`` and ``epochs_left`` (``None`` where epochs
+    #: are unknown), ``budget_bytes`` (what it reaches), ``steps_left``,
+    #: ``reach_step``, ``seconds_left``, ``since_step`` (the trend's first
+    #: step), ``growing`` (the census's largest growing groups, each
+    #: ``{"what", "kind", "count", "added", "per_step", "bytes", "added_bytes"}``)
+    #: and ``census_s`` (what the census cost)
+    FORECAST = "forecast"
+    #: once per guard: the whole batch peaks well below the budget. Fields:
+    #: ``step``, ``source``, ``peak_bytes``, ``budget_bytes``, ``batch``,
+    #: ``largest_batch`` (the largest the peak model predicts to fit, under
+    #: ``multiple_of``/``divisor_of``), ``predicted_peak_bytes``, ``capped``
+    #: (the model was not extrapolated further), ``queue`` (with
+    #: ``divisor_of``: ``[{"batch", "queue"}]``, batches that fit with a queue
+    #: size near the current one; else ``None``)
+    HEADROOM = "headroom"
 
     def __str__(self) -> str:
         return self.value
