@@ -97,6 +97,15 @@ def _guard_of(trainer: Any) -> Guard | None:
     return None
 
 
+def _epoch_length(guard: Guard, trainer: Any) -> None:
+    """The drift forecast counts epochs of the trainer's optimizer steps
+    (one a batch under the mixin), unless ``steps_per_epoch`` was given."""
+    n = trainer.num_training_batches
+    drift = guard.boundary.drift
+    if guard.config.steps_per_epoch is None and isinstance(n, int) and n > 0:
+        drift.steps_per_epoch = max(1, n // max(1, trainer.accumulate_grad_batches))
+
+
 class _ReleaseAfterLoops(Callback):
     """Releases memory when a validation, test or predict loop ends (the
     sanity check's too), as :meth:`Guard.evaluate` does."""
@@ -158,6 +167,7 @@ class MemGuardCallback(_ReleaseAfterLoops):
         # agree through it and its no_sync()
         model = trainer.strategy.model
         self.guard.model = model if model is not pl_module else None
+        _epoch_length(self.guard, trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._end()
@@ -218,6 +228,27 @@ class MemGuardCallback(_ReleaseAfterLoops):
         if batch_idx % every:
             return
         pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False,
+                           logger=bool(trainer.loggers), prog_bar=False, batch_size=1)
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """What each training epoch's end logs: the growth of the memory
+        held between steps in MiB an epoch (0 without a rising trend), and,
+        once said, the epochs a forecast leaves and the batch the headroom
+        names (see :mod:`memguard.train.drift`, :mod:`memguard.train.headroom`)."""
+        drift, found = self.guard.boundary.drift, self.guard.boundary.headroom.found
+        rate = drift.trend[0] if drift.trend else 0.0
+        out = {"memguard/drift_mib_per_epoch": rate * (drift.steps_per_epoch or 0) / MiB,
+               "memguard/drift_mib_per_step": rate / MiB}
+        if drift.forecast is not None and drift.forecast.get("epochs_left") is not None:
+            out["memguard/forecast_epochs_left"] = float(drift.forecast["epochs_left"])
+        if drift.forecast is not None:
+            out["memguard/forecast_steps_left"] = float(drift.forecast["steps_left"])
+        if found is not None:
+            out["memguard/headroom_batch"] = float(found["largest_batch"])
+        return out
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        pl_module.log_dict(self.epoch_metrics(), on_step=False, on_epoch=True,
                            logger=bool(trainer.loggers), prog_bar=False, batch_size=1)
 
     def eval_metrics(self, stage: str) -> tuple[dict[str, float], dict[str, float]]:
@@ -332,6 +363,7 @@ class MemGuardModule:
                 guard = Guard()
                 model = self.trainer.strategy.model
                 guard.model = model if model is not self else None
+                _epoch_length(guard, self.trainer)
                 guard.install()
                 self.__dict__["_memguard_own"] = guard
                 self.trainer.callbacks.append(_EndOwnGuard(self))

@@ -7,6 +7,9 @@ arena's budget and cache following it), a relief while pressure is HIGH, the
 peak meter restarted, the planner's budget synchronised with what the peaks
 measure, then the plan (:class:`~memguard.train.plan.Plan`), and advice on
 the DataLoader workers, once (:class:`~memguard.train.workers.WorkersAdvice`).
+After a committed step: its peak learnt, the drift forecast
+(:class:`~memguard.train.drift.Drift`) and the headroom
+(:class:`~memguard.train.headroom.Headroom`) told.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from memguard.memory.gc_hooks import GcHooks
 from memguard.memory.room import Room
 from memguard.telemetry.events import Event
 from memguard.telemetry.samples import Level
+from memguard.train.config import GuardConfig
+from memguard.train.drift import Drift
+from memguard.train.headroom import Headroom
 from memguard.train.overruns import Overruns
 from memguard.train.peaks import PeakMeter
 from memguard.train.plan import Plan
@@ -28,7 +34,8 @@ from memguard.train.workers import WorkersAdvice
 class Boundary:
     """The guard's parts that act between steps, and the order they act in."""
 
-    def __init__(self, room: Room, signals: Signals, plan: Plan, gc: GcHooks) -> None:
+    def __init__(self, room: Room, signals: Signals, plan: Plan, gc: GcHooks,
+                 config: GuardConfig) -> None:
         self.room, self.signals, self.planner, self.gc = room, signals, plan, gc
         #: allocations past the tensor budget outside steps, reported (at
         #: each sample, each boundary, the end of an evaluation)
@@ -44,6 +51,9 @@ class Boundary:
         #: advice on the DataLoader workers, from the boundary's sample
         self.workers = WorkersAdvice(signals.event)
         self._sample: Any = None   # the sample the room followed at this boundary
+        #: the forecast of slow growth, and the memory the whole batch leaves unused
+        self.drift = Drift(config.forecast_horizon, config.steps_per_epoch, signals.event)
+        self.headroom = Headroom(config.headroom, plan.opts, signals.event)
 
     def begin(self, batch: Any, n: int, peers: Any, step: int, budget: int) -> tuple[int, dict]:
         """The boundary before step number ``step`` of ``n`` samples:
@@ -72,18 +82,31 @@ class Boundary:
         self.signals.forget_attempt()
         self._t0 = 0.0          # a redone step's time is not its size's
 
-    def end(self, micro: int, n: int) -> int:
-        """A committed step of ``n`` samples at ``micro``: its peak, learnt
-        by the planner (and by the room's cache bound, when the arena
-        measured it), and its duration where it was calm and done at once."""
+    def end(self, micro: int, n: int, step: int) -> int:
+        """Committed step number ``step`` of ``n`` samples at ``micro``: its
+        peak, learnt by the planner (and by the room's cache bound, when the
+        arena measured it), its duration where it was calm and done at once;
+        then the drift and the headroom see it."""
         peak = self.peak.stop()
         seconds = time.perf_counter() - self._t0 if self._t0 else 0.0
         self.seconds = seconds
+        exact = peak if self.peak.exact else 0
         # a lower bound (a mark nobody resets, not raised) teaches nothing
-        self.planner.end(micro, peak if self.peak.exact else 0, self.floor, n, seconds)
+        self.planner.end(micro, exact, self.floor, n, seconds)
         if self.peak.source == "arena":
             self.room.record_peak(peak)
+        budget = self.planner.budget
+        # what a step at the smallest size needs above its floor, scaled
+        need = max(0, exact - self.floor) * self.planner.opts["min_micro"] // max(micro, 1)
+        self.drift.observe(step, self.floor, budget, need)
+        self.headroom.observe(step, micro, n, exact, budget, self.planner.planner,
+                              self.peak.source)
         return peak
+
+    def said(self) -> dict[str, Any]:
+        """The forecast (while its episode lasts) and the headroom, as their
+        events had them (``None``: not said)."""
+        return {"forecast": self.drift.forecast, "headroom": self.headroom.found}
 
     def follow_now(self, budget: int) -> None:
         """Within a step (after an out-of-memory error): the room now, the

@@ -19,6 +19,21 @@ def _positive_int(name: str, v: Any) -> int:
     return v
 
 
+def _check_horizon(h: Any) -> None:
+    """``forecast_horizon``: ``None``, ``"auto"``, a positive int of steps
+    or ``"N epochs"``."""
+    if h is None or h == "auto":
+        return
+    if isinstance(h, int) and not isinstance(h, bool) and h > 0:
+        return
+    parts = h.split() if isinstance(h, str) else []
+    if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) > 0 and \
+            parts[1] in ("epoch", "epochs"):
+        return
+    raise ValueError(f"forecast_horizon must be None, 'auto', a positive number of steps or "
+                     f"'N epochs', not {h!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardConfig:
     """A guard's options.
@@ -96,6 +111,17 @@ class GuardConfig:
         mps: a :class:`memguard.mps.MpsGovernor` for Apple's GPU, whose
             level counts at every step boundary as a CUDA governor's does
             (``None``: none; not with a CUDA governor).
+        forecast_horizon: how far ahead a slow growth of the memory held
+            between steps is forecast (:mod:`memguard.train.drift`): steps
+            (an int), ``"N epochs"``, ``"auto"`` (3 epochs where
+            ``steps_per_epoch`` is known, at least 1000 steps; else 1000
+            steps) or ``None`` (no forecast).
+        steps_per_epoch: optimizer steps in an epoch, where known (the
+            Lightning callback sets it): forecasts then say epochs too.
+        headroom: when the whole batch peaks under this share of the budget
+            for several steps, say once which larger batch fits
+            (:mod:`memguard.train.headroom`; =0.6: MoCo on an 8 GB card at
+            4.6 GB is under it; ``None``: never).
     """
 
     budget: Any = "auto"
@@ -119,6 +145,9 @@ class GuardConfig:
     cuda_budget: str | int | None = None
     cuda: Any = None
     mps: Any = None
+    forecast_horizon: Any = "auto"
+    steps_per_epoch: int | None = None
+    headroom: float | None = 0.6
     #: the budget asked for in bytes (``None``: none, or ``"auto"``)
     user_budget_bytes: int | None = dataclasses.field(init=False, default=None)
     #: ``tensor_budget`` in bytes
@@ -129,6 +158,13 @@ class GuardConfig:
             _positive_int(name, getattr(self, name))
         if self.divisor_of is not None:
             _positive_int("divisor_of", self.divisor_of)
+        if self.steps_per_epoch is not None:
+            _positive_int("steps_per_epoch", self.steps_per_epoch)
+        _check_horizon(self.forecast_horizon)
+        h = self.headroom
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
+                              or not 0 < h < 1):
+            raise ValueError(f"headroom must be a share in (0, 1) or None, not {h!r}")
         mb = self.micro_batch
         if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
             raise ValueError(f"micro_batch must be 'auto' or a positive integer, not {mb!r}")

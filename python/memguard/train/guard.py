@@ -164,7 +164,7 @@ class Guard:
             "high", arena_keep=self.boundary.cache_keep()))
         self.gc.on_event = self.signals.event
         self.planner = Plan(c, self.signals.event, lambda: self.on_critical and self.on_critical(self))
-        self.boundary = Boundary(self.room, self.signals, self.planner, self.gc)
+        self.boundary = Boundary(self.room, self.signals, self.planner, self.gc, c)
         self.inference = InferencePlan(self.planner.opts)   # infer's own plan: apart
         self._peers: Peers | None = None
         self._peers_checked = False
@@ -404,13 +404,13 @@ class Guard:
 
     def summary(self) -> dict[str, Any]:
         """Counters of the run so far."""
-        return {"steps": self.steps, "micro_batch": self.micro_batch,
-                "micro_batch_changes": self.micro_batch_changes,
-                "ooms_recovered": self.ooms_recovered, "peak_bytes": self.peak_bytes,
-                "peak_source": self.peak_source,
-                "checkpointed_blocks": self.checkpoints.n_on if self.checkpoints else 0,
-                "budget_bytes": self.budget_bytes, "gc": self.gc.stats.to_dict(),
-                "plan": self.plan(), "infer_micro_batch": self.inference.micro, "time": time.time()}
+        ck = self.checkpoints.n_on if self.checkpoints else 0
+        return {"steps": self.steps, "micro_batch": self.micro_batch, "micro_batch_changes":
+                self.micro_batch_changes, "ooms_recovered": self.ooms_recovered, "peak_bytes":
+                self.peak_bytes, "peak_source": self.peak_source, "checkpointed_blocks": ck,
+                "budget_bytes": self.budget_bytes, "gc": self.gc.stats.to_dict(), "plan":
+                self.plan(), "infer_micro_batch": self.inference.micro, **self.boundary.said(),
+                "time": time.time()}
 
     def postfix(self) -> dict[str, Any]:
         """A short view of the run for a progress bar: ``bar.set_postfix(guard.postfix())``.

@@ -266,7 +266,7 @@ class Transaction:
         step = g.steps
         g.steps += 1                       # first: the count agrees with the commit
         plan = g.planner.state() if self.tried else begun["plan"]   # the OOM's decision
-        peak = g.boundary.end(self.micro, self.a.n)  # before the aux is joined: the update's reading holds
+        peak = g.boundary.end(self.micro, self.a.n, step)  # before the aux is joined: the update's reading holds
         aux = _batch.concat(self.aux) if self.aux else None
         g.peak_bytes = max(g.peak_bytes, peak)
         g.last = StepResult(loss=loss, micro_batch=self.micro, n_micro=self._n_micro,
