@@ -348,7 +348,9 @@ def test_telemetry_file_gives_the_worst_sample(tmp_path: Path, capsys: pytest.Ca
     ]
     path = tmp_path / "run.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n{not json\n[1, 2]\n")
-    found, can = doctor_json(capsys, "--telemetry", str(path))["cuda allocator"]
+    rows = doctor_json(capsys, "--telemetry", str(path))
+    assert list(rows) == ITEMS, "no forecast or headroom event, no row"
+    found, can = rows["cuda allocator"]
     assert found == (f"at the largest reserved of 3 samples in {path} (seq 3): reserved "
                      f"5.0 GiB, allocated 2.0 GiB (2.5x): 3.0 GiB held in cached segments but "
                      f"not allocated (fragmentation); reserved peak 6.0 GiB; 3 allocation "
@@ -357,11 +359,45 @@ def test_telemetry_file_gives_the_worst_sample(tmp_path: Path, capsys: pytest.Ca
                         f"{NEW}=expandable_segments:True")
 
 
+def test_telemetry_forecast_and_headroom_rows(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The last forecast and the last headroom of the file, each a row with its advice."""
+    growing = [{"what": "torch.Tensor float32 (256, 1024) at train.py:42", "kind": "tensor",
+                "count": 15, "added": 15, "per_step": 1.0, "bytes": 15 * MiB,
+                "added_bytes": 15 * MiB}, {"what": "list at data.py:7", "added_bytes": 2048}]
+    forecast = {"type": "event", "event": "forecast", "t": 2.0, "step": 20, "source": "rss",
+                "level_bytes": GiB, "rate_bytes_per_step": 3 * MiB, "rate_bytes_per_epoch": None,
+                "epochs_left": None, "budget_bytes": 4 * GiB, "steps_left": 1024,
+                "reach_step": 1044, "seconds_left": 7200.0, "since_step": 4, "growing": growing}
+    headroom = {"type": "event", "event": "headroom", "t": 0.3, "step": 3, "source": "arena",
+                "peak_bytes": 150 * MiB, "budget_bytes": GiB, "batch": 8, "largest_batch": 48,
+                "predicted_peak_bytes": 900 * MiB, "capped": False, "queue": None}
+    lines = [{"type": "meta", "schema": "memguard.telemetry", "schema_version": 2},
+             {"type": "event", "event": "step", "t": 0.1, "step": 0, "floor_bytes": GiB},
+             dict(headroom, largest_batch=16), headroom, dict(forecast, step=10), forecast]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rows = doctor_json(capsys, "--telemetry", str(path))
+    assert list(rows) == [*ITEMS[:-1], "growth forecast", "batch headroom", "sampler"]
+    found, can = rows["growth forecast"]
+    assert found == ("RSS memory held between steps grows 3 MiB/step since step 4: 1.0 GiB at "
+                     "step 20, reaching the budget of 4.0 GiB at step 1,044 (1,024 steps, "
+                     "2.0 h left)")
+    assert can == (f"what grows: torch.Tensor float32 (256, 1024) at train.py:42 (+15.0 MiB), "
+                   f"list at data.py:7 (+2.0 KiB); see memguard report {path}")
+    found, can = rows["batch headroom"]
+    assert found == ("step 3: the whole batch of 8 peaked at 150.0 MiB/1.0 GiB (arena, 15 %); "
+                     "the peak model fits a batch of 48 (predicted peak 900.0 MiB)")
+    assert can == "a batch of 48 fits by the peak model: try it, or memguard.find_batch_size"
+
+
 def test_telemetry_without_cuda_figures_or_missing(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "cpu.jsonl"
     path.write_text(json.dumps({"type": "sample", "seq": 1, "rss_bytes": 1}) + "\n")
-    found, can = doctor_json(capsys, "--telemetry", str(path))["cuda allocator"]
+    rows = doctor_json(capsys, "--telemetry", str(path))
+    assert list(rows) == ITEMS
+    found, can = rows["cuda allocator"]
     assert found == (f"no samples with CUDA figures in {path}; no CUDA figures "
                      f"(reserved and allocated bytes unknown)")
     assert can.endswith("memguard doctor --telemetry RUN.jsonl")

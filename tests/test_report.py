@@ -198,6 +198,7 @@ def test_recorded_demo_trace(tmp_path):
     t = table((tmp_path / "demo.html").read_text(encoding="utf-8"))
     assert t["steps"] == "0" and t["peak arena allocated"] == t["arena budget"] == "-"
     assert t["highest pressure level"] == "CRITICAL"
+    assert "growth forecast" not in t and "batch headroom" not in t, "no such events, no rows"
 
 
 @pytest.mark.parametrize("kind", ["header_only", "samples_no_events", "sparse_fixture"])
@@ -255,6 +256,105 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     out = cli("report", str(DEMO_TRACE), "-o", str(tmp_path / "r.svg"))
     assert out.returncode == 2 and "r.svg" in out.stderr and ".png or .html" in out.stderr
     assert not (tmp_path / "r.svg").exists()
+
+
+# -- drift: the baseline, a growth forecast, the batch headroom ----------------------
+FORECAST_RGB = (194, 37, 92)    # the forecasts' trends, #c2255c
+BASELINE_RGB = (11, 114, 133)   # the baseline (the steps' floor_bytes), #0b7285
+T0 = 1.7e9
+GROWING = [{"what": f"{what} at {where}", "kind": kind, "count": n, "added": n,
+            "per_step": n / 15, "bytes": b, "added_bytes": b}
+           for what, where, kind, n, b in (("torch.Tensor float32 (256, 1024)", "train.py:42",
+                                             "tensor", 15, 15 * MiB),
+                                            ("list", "data.py:7", "object", 3, 2048),
+                                            ("dict", "loader.py:88", "object", 2, 1024),
+                                            ("<tail & co>", "x.py:1", "object", 1, 10))]
+FORECAST = {"step": 20, "source": "arena", "level_bytes": 120 * MiB,
+            "rate_bytes_per_step": MiB, "rate_bytes_per_epoch": 10 * MiB, "epochs_left": 28.0,
+            "budget_bytes": 400 * MiB, "steps_left": 280, "reach_step": 300,
+            "seconds_left": 56.0, "since_step": 5, "census_s": 0.01, "growing": GROWING}
+FORECAST_ROW = ("arena memory held between steps grows 1 MiB/step (10 MiB/epoch) since step 5: "
+                "120.0 MiB at step 20, reaching the budget of 400.0 MiB at step 300 (280 steps, "
+                "28.0 epochs, 56 s left); what grows: torch.Tensor float32 (256, 1024) at "
+                "train.py:42 (+15.0 MiB), list at data.py:7 (+2.0 KiB), dict at loader.py:88 "
+                "(+1.0 KiB)")
+HEADROOM = {"step": 3, "source": "cuda", "peak_bytes": 150 * MiB, "budget_bytes": 1024 * MiB,
+            "batch": 8, "largest_batch": 48, "predicted_peak_bytes": 900 * MiB, "capped": True,
+            "queue": [{"batch": 32, "queue": 4096}, {"batch": 64, "queue": 4096}]}
+HEADROOM_ROW = ("step 3: the whole batch of 8 peaked at 150.0 MiB/1.0 GiB (CUDA, 15 %); the peak "
+                "model fits a batch of 48 (predicted peak 900.0 MiB; capped: not extrapolated "
+                "further); with a queue near the current one: batch 32 with queue 4,096, "
+                "batch 64 with queue 4,096")
+
+
+def write_drift_run(path: pathlib.Path, event: str) -> None:
+    """30 steps 0.1 s apart whose floor grows 1 MiB a step from 100 MiB, and
+    ``event``: a forecast at step 20 (since step 5) or a headroom at step 3."""
+    with JsonlExporter(path) as ex:
+        for n in range(30):
+            ex.event("step", t=T0 + n / 10, step=n, micro_batch=8, n_micro=1, batch=8,
+                     action="keep", floor_bytes=(100 + n) * MiB, peak_bytes=(150 + n) * MiB)
+            if event == "forecast" and n == 20:
+                ex.event("forecast", t=T0 + 2.0, **FORECAST)
+            if event == "headroom" and n == 3:
+                ex.event("headroom", t=T0 + 0.3, **HEADROOM)
+
+
+def test_a_forecast_is_a_row_a_list_and_a_trend_to_the_budget(tmp_path):
+    """The row says the rate, what is left and the top three growing groups;
+    the page lists every group; the figure draws the baseline and the trend,
+    which starts where step 5 ended and meets the budget at the reach
+    (the event's seconds_left after it)."""
+    from memguard.cli.report import report, scan
+
+    src = tmp_path / "forecast.jsonl"
+    write_drift_run(src, "forecast")
+    # the trend starts where step 5 ended (its own seconds per step would say T0 - 1)
+    assert scan(src).trends() == [([T0 + 0.5, T0 + 2.0, T0 + 58.0],
+                                   [105 * MiB, 120 * MiB, 400 * MiB])]
+    summary = report(src, tmp_path / "r.html")
+    assert summary.forecasts == 1 and summary.headroom is None
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    t = table(page)
+    assert t["growth forecast"] == FORECAST_ROW and "batch headroom" not in t
+    listed = page[page.index('<table class="growing">'):]
+    assert all(html.escape(g["what"]) in listed for g in GROWING)
+    img = embedded_png(page)
+    assert near(img, BASELINE_RGB) >= 50, "the baseline is drawn (the trend covers most)"
+    assert near(img, FORECAST_RGB) >= 300, "the trend is drawn"
+
+
+def test_a_headroom_is_a_row_and_no_forecast_is_none(tmp_path):
+    from memguard.cli.report import report
+
+    src = tmp_path / "headroom.jsonl"
+    write_drift_run(src, "headroom")
+    summary = report(src, tmp_path / "r.png")
+    rows = dict(summary.rows())
+    assert rows["batch headroom"] == HEADROOM_ROW and "growth forecast" not in rows
+    img = mpimg.imread(tmp_path / "r.png")
+    assert near(img, BASELINE_RGB) >= 100, "the baseline is drawn"
+    assert near(img, FORECAST_RGB) < 5, "no forecast, no trend"
+
+
+def test_drift_words_of_partial_events():
+    """Events with fields missing or of the wrong type give words, never an error."""
+    from memguard.cli import drift_view
+
+    odd = {"growing": "not a list", "queue": 3, "rate_bytes_per_step": "fast", "t": T0}
+    assert drift_view.rows(odd, 2, odd) == [
+        ("growth forecast", ("the last of 2: the memory held between steps grows at a rate "
+                             "since step ?: ? at step ?, reaching the budget of ? at step ? "
+                             "(? steps left)")),
+        ("batch headroom", ("step ?: the whole batch of ? peaked at ?/?; the peak model fits a "
+                            "batch of ? (predicted peak ?)"))]
+    assert drift_view.trend(odd, None) is None and drift_view.growing_html(odd) == ""
+    assert [drift_view.duration(s) for s in (45, 750, 7200, 216000)] == \
+        ["45 s", "12.5 min", "2.0 h", "2.5 days"]
+    # a step's end: the last stretch of steps that reaches it, between kept points
+    assert drift_view.step_time([0.0, 10.0], [0, 100], 50) == 5.0
+    assert drift_view.step_time([0.0, 1.0, 2.0, 10.0, 11.0], [0, 1, 2, 0, 1], 1) == 11.0
+    assert drift_view.step_time([0.0, 1.0, 10.0], [0, 1, 0], 5) is None
 
 
 # -- long and hostile files: memory bounded whatever the file ------------------------

@@ -5,8 +5,9 @@ the C sampler (memory, swap, PSI, cgroup), a few kernel settings, a search
 for jemalloc, and a torch probe run in a subprocess with a timeout so that a
 slow or broken torch cannot hang the report. The CUDA allocator row reads
 PyTorch's allocator settings from the environment and, given a run's
-telemetry (``--telemetry RUN.jsonl``), its reserved and allocated CUDA bytes.
-Standard library only, plus ``memguard._C``.
+telemetry (``--telemetry RUN.jsonl``), its reserved and allocated CUDA bytes;
+the same file, read once, gives the run's last growth forecast and batch
+headroom where it has them. Standard library only, plus ``memguard._C``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import time
 from collections.abc import Mapping
 
 from memguard import _C
-from memguard._common import size
+from memguard._common import finite, size
+from memguard.cli import drift_view
 from memguard.cli.run import JEMALLOC, jemalloc_candidates
 from memguard.memory.cuda_advice import expandable_segments_advice
 from memguard.telemetry.budget import auto_inputs
+from memguard.telemetry.events import Event
 from memguard.telemetry.exporters import bounded_lines
 
 #: One report row: item, what was found, what memguard can or cannot do with it.
@@ -38,6 +41,9 @@ THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 TORCH_TIMEOUT_S = 30.0
 #: Back-to-back samples timed for the sampler row.
 HOT_SAMPLES = 20
+
+#: Events of a telemetry file the doctor gives a row each, the last one of each.
+DRIFT_EVENTS = (Event.FORECAST.value, Event.HEADROOM.value)
 
 #: Sample fields of the CUDA caching allocator in a telemetry file.
 CUDA_FIELDS = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_reserved_peak_bytes",
@@ -536,11 +542,12 @@ def _int_field(rec: dict, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def cuda_figures(path: str) -> tuple[dict | None, str | None]:
-    """CUDA allocator figures from a JSONL telemetry file.
+def telemetry_figures(path: str) -> tuple[dict | None, str | None]:
+    """CUDA allocator figures, and the last forecast and headroom, from a JSONL telemetry file.
 
     Sample lines (with ``seq``) that carry ``cuda_allocated_bytes`` and
-    ``cuda_reserved_bytes`` count; event lines, lines without those fields and
+    ``cuda_reserved_bytes`` count; of the events, the last of each of
+    :data:`DRIFT_EVENTS` is kept; other event lines, lines without those fields and
     lines that are not JSON objects are skipped. The file is streamed, each
     line read only up to :data:`~memguard.telemetry.exporters.MAX_LINE_BYTES`
     (:func:`~memguard.telemetry.exporters.bounded_lines`), so memory stays
@@ -554,9 +561,11 @@ def cuda_figures(path: str) -> tuple[dict | None, str | None]:
         ``reserved`` and ``seq``, the largest ``reserved_peak`` seen, the last
         ``retries`` value seen (each None when absent), ``samples`` (samples
         with CUDA figures, 0 when none) and ``unread`` (lines longer than the
-        cap, skipped unread) with ``unread_why`` (the first, by number and why);
+        cap, skipped unread) with ``unread_why`` (the first, by number and why),
+        and each of :data:`DRIFT_EVENTS` by name (its last event, or None);
         or ``(None, why)`` when the file cannot be read.
     """
+    drift: dict[str, dict] = {}
     worst: dict | None = None
     peak: int | None = None
     retries: int | None = None
@@ -573,6 +582,8 @@ def cuda_figures(path: str) -> tuple[dict | None, str | None]:
                     rec = json.loads(line.decode("utf-8", errors="replace"))
                 except ValueError:
                     continue
+                if isinstance(rec, dict) and rec.get("event") in DRIFT_EVENTS:
+                    drift[rec["event"]] = rec
                 if not isinstance(rec, dict) or "event" in rec or "seq" not in rec:
                     continue
                 r = _int_field(rec, "cuda_alloc_retries")
@@ -592,17 +603,18 @@ def cuda_figures(path: str) -> tuple[dict | None, str | None]:
         return None, f"unreadable ({e.strerror or os.strerror(e.errno or 0)})"
     figures = worst or {"allocated": None, "reserved": None, "seq": None}
     figures.update(reserved_peak=peak, retries=retries, samples=n, unread=unread,
-                   unread_why=unread_why)
+                   unread_why=unread_why, **{name: drift.get(name) for name in DRIFT_EVENTS})
     return figures, None
 
 
-def cuda_allocator_row(telemetry: str | None = None,
-                       env: Mapping[str, str] | None = None) -> Row:
+def cuda_allocator_row(telemetry: str | None = None, env: Mapping[str, str] | None = None,
+                       read: tuple[dict | None, str | None] | None = None) -> Row:
     """PyTorch's CUDA caching allocator: fragmentation in a run, and expandable_segments.
 
     Args:
         telemetry: a JSONL telemetry file of a run, or None.
         env: the environment to read the allocator settings from (default os.environ).
+        read: what :func:`telemetry_figures` gave of ``telemetry``, or None to read it.
 
     Returns:
         The report row.
@@ -610,7 +622,7 @@ def cuda_allocator_row(telemetry: str | None = None,
     if telemetry is None:
         found, advice = expandable_segments_advice(None, None, env)
         return ("cuda allocator", found, advice)
-    figures, why = cuda_figures(telemetry)
+    figures, why = read or telemetry_figures(telemetry)
     if figures is None:
         found, advice = expandable_segments_advice(None, None, env)
         return ("cuda allocator", f"telemetry {telemetry} {why}; {found}", advice)
@@ -628,6 +640,30 @@ def cuda_allocator_row(telemetry: str | None = None,
     if figures["unread"]:
         found += f"; {figures['unread']} line(s) not read ({figures['unread_why']})"
     return ("cuda allocator", found, advice)
+
+
+def drift_rows(telemetry: str, figures: dict | None) -> list[Row]:
+    """The run's last growth forecast and batch headroom, where it has them, with what to do.
+
+    Args:
+        telemetry: the telemetry file, named in the advice.
+        figures: what :func:`telemetry_figures` found in it, or None.
+
+    Returns:
+        A row for each of the two events the file has: none, one or two.
+    """
+    rows: list[Row] = []
+    forecast, headroom = (figures or {}).get("forecast"), (figures or {}).get("headroom")
+    if forecast is not None:
+        grows = drift_view.growing_text(forecast) or "nothing the census could name"
+        rows.append(("growth forecast", drift_view.forecast_text(forecast),
+                     f"what grows: {grows}; see memguard report {telemetry}"))
+    if headroom is not None:
+        largest = finite(headroom.get("largest_batch"))
+        batch = "a larger batch" if largest is None else f"a batch of {int(largest):,}"
+        rows.append(("batch headroom", drift_view.headroom_text(headroom),
+                     f"{batch} fits by the peak model: try it, or memguard.find_batch_size"))
+    return rows
 
 
 def sampler_row(costs: dict, err: str | None) -> Row:
@@ -715,11 +751,13 @@ def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S,
     Args:
         torch_probe: import torch in a subprocess to query CUDA (False: version only).
         torch_timeout: seconds that probe may take.
-        telemetry: a run's JSONL telemetry file for the CUDA allocator row, or None.
+        telemetry: a run's JSONL telemetry file for the CUDA allocator row
+            (and its growth forecast and batch headroom, where it has them), or None.
 
     Returns:
         Rows of (item, what was found, what memguard can or cannot do with it).
     """
+    read = telemetry_figures(telemetry) if telemetry is not None else None
     sample, costs, err = take_sample()
     linux = [psi_row(sample), cgroup_row(sample), thp_row(), overcommit_row(),
              jemalloc_row()] if _C.PLATFORM == "linux" else []   # what only Linux has
@@ -730,7 +768,8 @@ def report(torch_probe: bool = True, torch_timeout: float = TORCH_TIMEOUT_S,
         swap_row(sample, err),
         *linux,
         torch_row(torch_probe, torch_timeout),
-        cuda_allocator_row(telemetry),
+        cuda_allocator_row(telemetry, read=read),
+        *(drift_rows(telemetry, read[0]) if read is not None else ()),
         sampler_row(costs, err),
     ]
 
@@ -767,7 +806,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="seconds the torch probe may take (default %(default)g)")
     ap.add_argument("--telemetry", default=None, metavar="RUN.jsonl",
                     help="a run's JSONL telemetry: its CUDA reserved/allocated bytes tell "
-                         "whether to turn on expandable_segments")
+                         "whether to turn on expandable_segments; its growth forecast and "
+                         "batch headroom, where it has them, get a row each")
     ap.set_defaults(fn=_command)
 
 

@@ -7,12 +7,14 @@
 
 The figure has one time axis, in seconds since the run's first record, and
 three panels: memory against the budget (RSS, the arena's allocated and
-reserved bytes when it served tensors, and what the DataLoader workers
-(child processes) held alone when there were any), the pressure level, and the
-micro-batch size of each :meth:`memguard.Guard.step`. Events are drawn on
-all three: out-of-memory errors recovered, gc reliefs, checkpointing
+reserved bytes when it served tensors, what the DataLoader workers (child
+processes) held alone when there were any, and the baseline, what the run
+held between steps, with each slow-growth forecast's trend extended to the
+budget it reaches: :mod:`~memguard.cli.drift_view`), the pressure level, and
+the micro-batch size of each :meth:`memguard.Guard.step`. Events are drawn
+on all three: out-of-memory errors recovered, gc reliefs, checkpointing
 switched on or off, CRITICAL with nothing left to shrink, the guard's
-advice on the DataLoader workers, the size of
+advice on the DataLoader workers and on a larger batch, forecasts, the size of
 :meth:`memguard.Guard.infer`'s own plan changing (apart from the steps');
 the steps' shrink and grow decisions are marked on the micro-batch panel;
 any other event (a script's own, written with
@@ -38,10 +40,12 @@ import math
 import os
 import sys
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from memguard._common import finite, size, unwritable
+from memguard.cli import drift_view
 from memguard.telemetry import Event, Level, Sample, SkippedLinesWarning
 from memguard.telemetry.exporters import iter_jsonl
 
@@ -52,6 +56,7 @@ FORMATS = (".png", ".html")
 _PLOTTED = {e.value for e in (Event.STEP, Event.INSTALL, Event.OOM_RECOVERED, Event.OOM_GAVE_UP,
                               Event.RELIEVE, Event.CHECKPOINT, Event.CRITICAL)}
 _MAX_LABELS = 40          # labelled lines of other events, so a chatty run stays readable
+_MAX_FORECASTS = 8        # forecasts kept and drawn, the last ones (one per growth episode)
 #: Points kept of each line the figure draws: at most twice this many, so a
 #: week of samples is drawn in the memory and time of an hour (see _Series).
 POINTS = 2000
@@ -86,6 +91,12 @@ class RunSummary:
         peak_workers_bytes: the most they held alone, sampled.
         workers_advice: the guard's advice on them (its ``workers`` event),
             in words; ``None`` where it gave none.
+        forecasts: ``forecast`` events: a slow growth of the memory held
+            between steps that reaches the budget within the horizon.
+        forecast: the last of them (its growing groups cut to
+            :data:`~memguard.cli.drift_view.GROWING_KEPT`); ``None`` without one.
+        headroom: the last ``headroom`` event (the whole batch peaked well
+            below the budget); ``None`` without one.
     """
 
     path: str
@@ -110,6 +121,9 @@ class RunSummary:
     peak_workers: int | None = None
     peak_workers_bytes: int | None = None
     workers_advice: str | None = None
+    forecasts: int = 0
+    forecast: dict | None = None
+    headroom: dict | None = None
 
     def rows(self) -> list[tuple[str, str]]:
         """(name, value) pairs for a table, sizes with their exact bytes."""
@@ -138,6 +152,7 @@ class RunSummary:
              "-" if self.peak_workers is None else
              f"at most {self.peak_workers}, holding at most {sz(self.peak_workers_bytes)}"),
             ("advice on the workers", self.workers_advice or "none"),
+            *drift_view.rows(self.forecast, self.forecasts, self.headroom),
         ]
 
 
@@ -267,6 +282,13 @@ class _Run:
         # a heap of (-t, -n, name): the earliest _MAX_LABELS other events, n their order
         self._labels: list[tuple[float, int, str]] = []
         self._others = 0
+        # the drift: the steps' floors (the baseline), when each step ended
+        # (the step clock that places a forecast's first step), the forecasts
+        self.floor_line, self.step_clock = _Series(), _Series()
+        self.top_floor = 0.0
+        self.forecasts: deque[tuple[dict, drift_view.Trend | None]] = deque(maxlen=_MAX_FORECASTS)
+        self.n_forecasts = 0
+        self.headroom: dict | None = None
 
     def add(self, kind: str, rec: Any) -> None:
         """Fold one record of :func:`~memguard.telemetry.exporters.iter_jsonl`."""
@@ -321,6 +343,10 @@ class _Run:
         elif name == Event.CHECKPOINT:
             self.checkpoints += 1
             self.max_blocks = _bigger(self.max_blocks, finite(e.get("blocks")))
+        elif name == Event.FORECAST:
+            self._forecast(e)
+        elif name == Event.HEADROOM:
+            self.headroom = e
         kind = _line_kind(e)
         if kind is not None:
             self.event_lines.setdefault(kind, _Series()).add(t, 0.0)
@@ -332,6 +358,7 @@ class _Run:
 
     def _step(self, e: dict) -> None:
         self.steps += 1
+        self._drift_step(e)
         micro = finite(e.get("micro_batch"))
         if micro is not None:
             if self._micro is not None and micro != self._micro:
@@ -355,6 +382,26 @@ class _Run:
         if peak:
             self.step_peaks.add(t, peak)
             self.top_peak = max(self.top_peak, peak)
+
+    def _drift_step(self, e: dict) -> None:
+        """A step's floor on the baseline, its end on the step clock."""
+        floor, step = finite(e.get("floor_bytes")), finite(e.get("step"))
+        if floor is not None:
+            self.floor_line.add(e["t"], floor)
+            self.top_floor = max(self.top_floor, floor)
+        if step is not None:
+            self.step_clock.add(e["t"], step)
+
+    def _forecast(self, e: dict) -> None:
+        """Keep a forecast with its trend, placed in time by the steps seen so far."""
+        self.n_forecasts += 1
+        ts, steps = self.step_clock.points()
+        t_since = drift_view.step_time(ts, steps, finite(e.get("since_step")))
+        self.forecasts.append((drift_view.compact(e), drift_view.trend(e, t_since)))
+
+    def trends(self) -> list[drift_view.Trend]:
+        """The kept forecasts' trend lines."""
+        return [tr for _, tr in self.forecasts if tr is not None]
 
     def labels(self) -> list[tuple[float, str]]:
         """The earliest :data:`_MAX_LABELS` events without their own line style, in time order."""
@@ -399,6 +446,9 @@ class _Run:
             peak_workers=self.peak_workers,
             peak_workers_bytes=self.peak_workers_bytes,
             workers_advice=self.workers_advice,
+            forecasts=self.n_forecasts,
+            forecast=self.forecasts[-1][0] if self.forecasts else None,
+            headroom=self.headroom,
         )
 
 
@@ -443,6 +493,8 @@ _LINES = {
     Event.CRITICAL.value: ("CRITICAL, nothing left to shrink", "#862e9c", "-.", 1.4),
     Event.INFER_PLAN.value: ("inference resized (Guard.infer)", "#f76707", "--", 1.0),
     Event.WORKERS.value: ("advice: fewer DataLoader workers", "#5c940d", "-.", 1.4),
+    Event.FORECAST.value: ("forecast: slow growth reaches the budget", "#f783ac", "-.", 1.2),
+    Event.HEADROOM.value: ("advice: a larger batch fits", "#2b8a3e", ":", 1.4),
     "other": ("other event", "#868e96", "-", 0.8),
 }
 
@@ -473,7 +525,9 @@ def _figure(title: str, run: _Run, summary: RunSummary) -> Any:
     sub = ", ".join(f"{k} {run.meta[k]}" for k in ("host", "demo", "pid") if run.meta.get(k))
     fig.suptitle(f"memguard run: {os.path.basename(summary.path) or title}"
                  + (f"\n{sub}" if sub else ""), fontsize=13)
-    _memory_panel(axes[0], run, summary.budget_bytes, t0)
+    left, right = min(run.t_lo - t0, 0.0), run.t_hi - t0
+    end = drift_view.x_end(run.trends(), t0, left, right)
+    _memory_panel(axes[0], run, summary.budget_bytes, t0, end)
     _level_panel(axes[1], run, t0)
     handles: dict[str, Any] = {}
     if has_steps:
@@ -484,9 +538,9 @@ def _figure(title: str, run: _Run, summary: RunSummary) -> Any:
     axes[-1].set_xlabel("time since start (s)")
     _event_lines(axes, run, t0, handles)
     if run.t_hi >= run.t_lo:
-        axes[-1].set_xlim(min(run.t_lo - t0, 0.0), run.t_hi - t0 + 1e-3)
-    order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "infer_plan", "workers", "relieve",
-             "checkpoint_on", "checkpoint_off", "critical", "other"]
+        axes[-1].set_xlim(left, end + 1e-3)
+    order = ["oom_recovered", "oom_gave_up", "shrink", "grow", "infer_plan", "workers", "headroom",
+             "forecast", "relieve", "checkpoint_on", "checkpoint_off", "critical", "other"]
     shown = [handles[k] for k in order if k in handles]
     if shown:
         fig.legend(handles=shown, loc="outside lower center", ncols=min(len(shown), 5),
@@ -494,9 +548,12 @@ def _figure(title: str, run: _Run, summary: RunSummary) -> Any:
     return fig
 
 
-def _memory_panel(ax: Any, run: _Run, budget: int | None, t0: float) -> None:
-    """Memory against the budget: RSS, the arena, the budgets, the step peaks."""
-    top = max(run.top, budget or 0, run.arena_budget_max or 0, run.top_peak)
+def _memory_panel(ax: Any, run: _Run, budget: int | None, t0: float, end: float) -> None:
+    """Memory against the budget: RSS, the arena, the budgets, the step peaks,
+    the baseline and the forecasts' trends (up to ``end``)."""
+    trends = run.trends()
+    top = max(run.top, budget or 0, run.arena_budget_max or 0, run.top_peak, run.top_floor,
+              *(ys[-1] for _, ys in trends))
     unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
 
     def line(name: str) -> tuple[list[float], list[float]]:
@@ -527,6 +584,7 @@ def _memory_panel(ax: Any, run: _Run, budget: int | None, t0: float) -> None:
         ax.plot([x - t0 for x in xs], [y / scale for y in ys], "o", ms=3.5, color="#495057",
                 label="step peak")
         drawn = True
+    drawn |= drift_view.draw(ax, run.floor_line.points(), trends, t0, scale, end)
     if not drawn:
         ax.text(0.5, 0.5, "no memory samples in this file", transform=ax.transAxes,
                 ha="center", va="center", color="#868e96")
@@ -632,7 +690,7 @@ img {{ max-width: 100%; }}
 <table class="summary">
 {rows}
 </table>
-<img alt="memory, pressure level and micro-batch size of {name} over time"
+{drift_view.growing_html(summary.forecast)}<img alt="memory, pressure level and micro-batch size of {name} over time"
      src="data:image/png;base64,{data}">
 </body>
 </html>
@@ -701,4 +759,6 @@ def _command(args: argparse.Namespace) -> int:
               f"holding at most {size(summary.peak_workers_bytes)}")
     if summary.workers_advice:
         print(f"advice on the workers: {summary.workers_advice}")
+    for name, text in drift_view.rows(summary.forecast, summary.forecasts, summary.headroom):
+        print(f"{name}: {text}")
     return 0
