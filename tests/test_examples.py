@@ -95,6 +95,21 @@ def test_moco_queue_v3_gradcache(tmp_path):
     assert s["queue_size"] is None and s["queue_ptrs"] == []
 
 
+def test_moco_queue_find_batch(tmp_path):
+    """--find-batch (seed story 002): the batch is the largest whose step
+    fits the tensor budget, the queue of 65536 moves to the multiple of it
+    nearest, and a step at both runs whole inside the budget. (A small model
+    and one step: the probes are the test.)"""
+    s = run_example("moco_queue", tmp_path, "--find-batch", "--steps", "1", "--batch", "16",
+                    "--queue-size", "65536", "--dim", "16", "--width", "4", "--image-size", "10",
+                    "--crop-size", "8", "--tensor-budget", "24MiB")
+    b, q = s["effective_batch"], s["queue_size"]
+    assert s["found"]["size"] == b > 16 and s["found"]["queue_size"] == q
+    assert q % b == 0 and abs(q - 65536) <= b / 2
+    assert s["steps_done"] == 1 and s["queue_ptrs"] == [b] and s["micro_batches"] == [b]
+    assert s["peak_bytes"] <= s["tensor_budget_bytes"]
+
+
 def test_moco_queue_rejects_misaligned_queue(tmp_path):
     """A queue size the batch does not divide is refused before training."""
     proc = subprocess.run([sys.executable, str(EXAMPLES / "moco_queue.py"), "--quick",

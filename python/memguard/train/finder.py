@@ -2,8 +2,8 @@
 
 ::
 
-    res = memguard.find_batch_size(step, sample_batch, budget="20GiB", divisor_of=65536)
-    print(res.size, res.predicted_peak_bytes, res.measured_peak_bytes, res.probes)
+    res = memguard.find_batch_size(step, sample_batch, budget="20GiB", queue_size=65536)
+    print(res.size, res.queue_size, res.measured_peak_bytes, res.probes)
 
 Peak memory of a training step is close to linear in the batch size (the
 model, gradients and optimizer state, plus activations per sample), so two
@@ -22,6 +22,12 @@ right. Out-of-memory errors during a probe count as "too big".
 Bounds: no probe is built larger than half of what the budget and the
 machine's free memory can hold of the batch itself, and a peak that does not
 grow with the batch is reported as such, never extrapolated.
+
+On a CUDA device (the sample batch's first tensor's) budgets and peaks are
+the process as ``nvidia-smi`` shows it: the caching allocator's reserved
+bytes plus the CUDA context (with other processes' use of the device, which
+cannot be told apart from it). ``"auto"`` is what the process can have there
+less :data:`CUDA_RESERVE`, a share is of the device's total memory.
 """
 from __future__ import annotations
 
@@ -33,8 +39,8 @@ from typing import Any, Callable
 import torch
 
 from memguard import _C
-from memguard._common import size
-from memguard.memory import arena
+from memguard._common import is_auto, size
+from memguard.memory import arena, cuda
 from memguard.memory.oom import is_oom
 from memguard.memory.room import live_budget
 from memguard.telemetry.budget import parse_budget
@@ -54,10 +60,15 @@ class BatchSizeResult:
         probes: ``(size, peak_bytes)`` of every step run, in order
             (``peak_bytes`` is ``None`` for a probe that ran out of memory).
         budget_bytes: the budget compared against.
-        peak_source: where peaks came from ("arena", "cuda" or "rss").
+        peak_source: where peaks came from: "arena" (the bytes requested
+            from memguard's arena), "cuda_reserved" (a CUDA device's
+            reserved bytes and context), "rss" (or "footprint" on macOS).
         note: how the size was found, in words, where it was not a plain fit:
             the peak does not grow with the batch, the probes were bounded by
             memory, or nothing fits.
+        queue_size: with ``queue_size=`` asked, the multiple of ``size``
+            nearest it (never below ``size``; 0 when nothing fits), else
+            ``None``.
     """
     size: int
     predicted_peak_bytes: int
@@ -66,6 +77,7 @@ class BatchSizeResult:
     budget_bytes: int
     peak_source: str
     note: str = ""
+    queue_size: int | None = None
 
 
 def _take(batch: Any, n: int, size: int) -> Any:
@@ -111,7 +123,7 @@ def _probe_cap(batch: Any, n: int, limit: float, free: int | None) -> int:
 
 
 def _check(step_fn: Any, margin: Any, multiple_of: Any, min_size: Any, max_size: Any,
-           first_probe: Any) -> None:
+           first_probe: Any, divisor_of: Any, queue_size: Any) -> None:
     if not callable(step_fn):
         raise ValueError(f"step_fn must be callable (one training step on a batch), "  # noqa: TRY004 - one error type for every bad argument
                          f"not {step_fn!r}")
@@ -126,6 +138,13 @@ def _check(step_fn: Any, margin: Any, multiple_of: Any, min_size: Any, max_size:
     if first_probe is not None and (isinstance(first_probe, bool)
                                     or not isinstance(first_probe, int) or first_probe < 1):
         raise ValueError(f"first_probe must be a positive integer, not {first_probe!r}")
+    for name, v in (("divisor_of", divisor_of), ("queue_size", queue_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive integer or None, not {v!r}")
+    if divisor_of is not None and queue_size is not None:
+        raise ValueError(f"divisor_of={divisor_of} and queue_size={queue_size} were both "
+                         f"given: divisor_of keeps the queue and sizes divide it, queue_size "
+                         f"keeps the largest size and moves the queue to a multiple of it")
 
 
 #: the least the arena's bound during probes leaves above a budget
@@ -134,6 +153,84 @@ SLACK = 64 << 20
 #: a peak that grows by less than this share of itself from the small probe
 #: to the large one does not depend on the batch (RSS moves by pages)
 FLAT = 0.01
+
+#: what ``"auto"`` on a CUDA device leaves free beyond the margin: the
+#: modules of kernels first launched after the search (CUDA loads them
+#: lazily, into the context) and buffers that libraries (cuDNN, NCCL) take
+#: outside the caching allocator
+CUDA_RESERVE = 256 << 20
+
+
+def _cuda_device(batch: Any) -> Any:
+    """The device of the batch's first tensor where it is a CUDA one (the
+    device :class:`PeakMeter` would measure), else ``None``."""
+    first = next((x for x in _batch.leaves(batch) if isinstance(x, torch.Tensor)), None)
+    return first.device if first is not None and first.is_cuda else None
+
+
+def _empty_cache() -> None:
+    """Hand the cached blocks of CUDA's allocator back to the device (and
+    memguard's, where it serves CUDA tensors)."""
+    torch.cuda.empty_cache()
+    if _C.cuda_backend() is not None:
+        _C.cuda_trim(-1)
+
+
+class _CudaMeter:
+    """A probe's peak on a CUDA device as ``nvidia-smi`` shows the process:
+    the allocator's reserved bytes at their peak, plus what the device holds
+    outside them (the context, and others' use: ``total - free - reserved``),
+    the larger of that at the probe's start and at its end (the context grows
+    when a kernel's module is first loaded).
+
+    The cache is emptied before each probe, so that a probe starts from what
+    is live. torch's peak counters are read, never reset (:class:`PeakMeter`):
+    a probe smaller than an earlier one does not raise the mark, and is
+    measured by what is reserved at its end, which is its peak (segments stay
+    reserved until the cache is emptied)."""
+
+    source = "cuda_reserved"
+
+    def __init__(self, device: Any) -> None:
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.meter = PeakMeter(cuda_key="reserved_bytes")
+        self._outside = 0
+        self._retries = 0
+
+    def read(self) -> tuple[int, int, dict[str, int]]:
+        """(free, total, the allocator's counters): the device now."""
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(free), int(total), cuda.stats(self.index)
+
+    def budget(self, budget: str | int) -> tuple[int, int]:
+        """(the budget, the device's room) in bytes as peaks count them.
+        The room, and ``"auto"``, is what the process can have: the device's
+        free memory and what its allocator reserves now, less
+        :data:`CUDA_RESERVE`, plus what is outside the allocator (peaks
+        count it too). A share is of the device's total memory."""
+        if not is_auto(budget):
+            parse_budget(budget, total=1 << 40)   # a bad budget fails before the device is read
+        free, total, st = self.read()
+        reserved = st["reserved_bytes.current"]
+        room = max(max(total - free - reserved, 0) + reserved + free - CUDA_RESERVE, 1)
+        return (room if is_auto(budget) else parse_budget(budget, total=total)), room
+
+    def start(self, batch: Any) -> None:
+        _empty_cache()
+        free, total, st = self.read()
+        self._outside = max(total - free - st["reserved_bytes.current"], 0)
+        self._retries = st["num_alloc_retries"]
+        self.meter.start_cuda(torch.device("cuda", self.index))
+
+    def stop(self) -> int | None:
+        """The probe's peak; ``None`` where the allocator had to free its
+        cache and retry to go on: the device was full, the probe too big."""
+        free, total, st = self.read()
+        self.meter.now(stats=st, settled=True)
+        reserved = self.meter.stop()
+        if st["num_alloc_retries"] > self._retries:
+            return None
+        return max(total - free - st["reserved_bytes.current"], self._outside) + reserved
 
 
 def _line(points: list[tuple[int, int]]) -> tuple[float, float]:
@@ -151,17 +248,13 @@ class _Search:
     measured, every step run recorded."""
 
     def __init__(self, step_fn: Callable[[Any], Any], batch: Any, n: int, rules: Any,
-                 max_size: int | None, cap: int) -> None:
+                 max_size: int | None, cap: int, meter: Any, queue_size: int | None) -> None:
         self.step_fn, self.batch, self.n, self.rules = step_fn, batch, n, rules
-        self.max_size, self.cap = max_size, cap
+        self.max_size, self.cap, self.queue_size = max_size, cap, queue_size
         self.capped = False
         self.note = ""                   # why the limit is below the budget, if it is
         self.upper: int | None = None    # the smallest size known not to fit
-        # Requested bytes under the arena: what the step asks for is linear in
-        # the batch size, while block rounding (four sizes per doubling) makes
-        # block bytes zigzag around that line by several percent; the margin
-        # is what covers the rounding.
-        self.meter = PeakMeter(arena_key="requested_bytes.peak")
+        self.meter = meter
         self.probes: list[tuple[int, int | None]] = []
 
     def fit(self, x: float) -> int:
@@ -195,7 +288,8 @@ def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
                     budget: str | int = "auto", multiple_of: int = 1,
                     divisor_of: int | None = None, min_size: int = 1,
                     max_size: int | None = None, margin: float = 0.1,
-                    first_probe: int | None = None) -> BatchSizeResult:
+                    first_probe: int | None = None,
+                    queue_size: int | None = None) -> BatchSizeResult:
     """The largest batch size whose step peaks under ``budget * (1 - margin)``.
 
     Args:
@@ -203,16 +297,29 @@ def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
             least; it may step an optimizer: the probes then train).
         sample_batch: a batch to cut probe batches from (repeated when a
             probe needs more samples than it has).
-        budget: see :func:`memguard.parse_budget`; peaks are the bytes
-            requested from memguard's arena when it serves tensors (the
-            margin covers its block rounding), CUDA's allocated bytes for
-            CUDA batches, else the process's peak RSS.
+        budget: see :func:`memguard.parse_budget`. Peaks are the bytes
+            requested from memguard's arena when it serves tensors (its
+            blocks round them up by up to 25 %: a run under an arena
+            bounded at the same budget needs ``margin=0.2``), else the
+            process's peak RSS; for a batch on a CUDA device, the process
+            as ``nvidia-smi`` shows it: the allocator's peak reserved bytes
+            plus the context (and others' use of the device). There
+            ``"auto"`` is what the process can have (the device's free
+            memory and what its allocator reserves now, less
+            :data:`CUDA_RESERVE`), a share (``"75%"``) is of the device's
+            total, and a budget above the device's room is held to the room
+            (``note`` says so).
         multiple_of, divisor_of, min_size, max_size: constraints the size
-            keeps to (``max_size`` defaults to no limit).
+            keeps to (``max_size`` defaults to no limit; ``divisor_of``: the
+            size divides it, as a queue that must stay a multiple of the
+            batch).
         margin: headroom kept under the budget (=0.1).
         first_probe: the small probe's size (default: a quarter of the
             sample batch, at least ``min_size``); one that does not fit is
             shrunk until one does.
+        queue_size: a queue that follows the size instead (not with
+            ``divisor_of``): the size is the largest that fits, and the
+            result's ``queue_size`` the multiple of it nearest this.
 
     Returns:
         A :class:`BatchSizeResult` (``size`` 0 when not even ``min_size``
@@ -220,36 +327,74 @@ def find_batch_size(step_fn: Callable[[Any], Any], sample_batch: Any, *,
         batch or the probes were bounded by memory).
 
     Raises:
-        ValueError: a bad budget, margin, constraint, step function or
-            sample batch (none, or no samples in it).
+        ValueError: a bad budget, margin, constraint (``divisor_of`` and
+            ``queue_size`` both given), step function or sample batch
+            (none, or no samples in it).
     """
-    _check(step_fn, margin, multiple_of, min_size, max_size, first_probe)
-    budget_bytes = parse_budget(budget)
-    limit = budget_bytes * (1.0 - margin)
-    rules = _C.Planner(min_micro=min_size, multiple_of=multiple_of, divisor_of=divisor_of or 0)
+    _check(step_fn, margin, multiple_of, min_size, max_size, first_probe, divisor_of,
+           queue_size)
     n = _batch.checked_size(sample_batch)
     if n == 0:
         raise ValueError("sample_batch holds no samples (its batch dimension is 0): give a "
                          "batch of the size you train at")
+    meter, budget_bytes, device_room = _meter_and_budget(sample_batch, budget)
+    limit = budget_bytes * (1.0 - margin)
+    rules = _C.Planner(min_micro=min_size, multiple_of=multiple_of, divisor_of=divisor_of or 0)
     on_host = _on_host(sample_batch)
     free = _room_left() if on_host else None      # read once, for both bounds
     s = _Search(step_fn, sample_batch, n, rules, max_size,
-                _probe_cap(sample_batch, n, limit, free))
+                _probe_cap(sample_batch, n, limit, free if on_host else device_room),
+                meter, queue_size)
     small = _first_size(s, first_probe if first_probe is not None else max(min_size, n // 4),
                         min_size, multiple_of, divisor_of)
     with _bounded(on_host, budget_bytes, free):
         if free is not None and arena.installed():
             # the machine (its cgroup) may hold less than the budget: the
             # arena's peaks, what it holds included, must fit what it can take
-            room = (arena.stats()["allocated_bytes.current"] + free) * (1.0 - margin)
-            if room < limit:
-                limit, s.note = room, (f"the machine (or its cgroup) has room for less than "
-                                       f"the budget now: sizes fit {size(int(room))}")
+            limit = _within(s, limit, arena.stats()["allocated_bytes.current"] + free, margin,
+                            "the machine (or its cgroup)")
+        elif device_room is not None:
+            limit = _within(s, limit, device_room, margin, f"CUDA device {meter.index}")
         small, y_small = _shrink_to_fit(s, small, limit)
         if y_small is None:
             return _result(s, 0, 0, 0, budget_bytes, f"not even min_size={min_size} fits "
                            f"under {limit:.0f} bytes (the budget less the margin)")
         return _grow(s, small, y_small, limit, budget_bytes)
+
+
+def _meter_and_budget(batch: Any, budget: str | int) -> tuple[Any, int, int | None]:
+    """(the probes' peak meter, the budget in bytes, a CUDA device's room or
+    ``None`` off CUDA)."""
+    device = _cuda_device(batch)
+    if device is None:
+        # Requested bytes under the arena: what the step asks for is linear
+        # in the batch size, while block rounding (four sizes per doubling)
+        # makes block bytes zigzag above that line by up to 25 %, which the
+        # margin must cover where the run is bounded by the arena.
+        return PeakMeter(arena_key="requested_bytes.peak"), parse_budget(budget), None
+    meter = _CudaMeter(device)
+    return (meter, *meter.budget(budget))
+
+
+def _within(s: _Search, limit: float, room: int, margin: float, where: str) -> float:
+    """The limit held to ``room`` (its margin kept), ``s.note`` saying so
+    where that lowers it."""
+    held = room * (1.0 - margin)
+    if held >= limit:
+        return limit
+    s.note = f"{where} has room for less than the budget now: sizes fit {size(int(held))}"
+    return held
+
+
+def _queue_for(size: int, queue: int | None) -> int | None:
+    """The multiple of ``size`` nearest ``queue`` (the larger on a tie),
+    never below ``size``; ``None`` where no queue was asked, 0 where no size
+    fits."""
+    if queue is None:
+        return None
+    if size == 0:
+        return 0
+    return max(1, (2 * queue + size) // (2 * size)) * size
 
 
 def _large_probe(s: _Search, small: int) -> tuple[int, int | None]:
@@ -384,4 +529,4 @@ def _result(s: _Search, size: int, predicted: int, measured: int, budget_bytes: 
         note = (f"probes were bounded at {s.cap} samples: half of what the budget and the "
                 f"machine's free memory can hold of the batch itself")
     return BatchSizeResult(size, predicted, measured, list(s.probes), budget_bytes,
-                           s.meter.source, note)
+                           s.meter.source, note, _queue_for(size, s.queue_size))

@@ -161,15 +161,23 @@ class PeakMeter:
     Args:
         arena_key: the arena counter read as the peak (the finder reads
             ``requested_bytes.peak``, the guard the blocks it holds).
+        cuda_key: the CUDA counter read, current and peak:
+            ``allocated_bytes`` (the guard's) or ``reserved_bytes`` (the
+            finder's: the allocator's segments, which stay reserved until
+            its cache is emptied, so that after an empty cache what is
+            reserved at the end of a step is its peak even where the step
+            did not raise the mark).
         cuda_stats: reads a CUDA device's counters by ordinal, as
             :func:`memguard.memory.cuda.stats` (the default) gives them;
             tests count readings through it.
     """
 
     def __init__(self, arena_key: str = "allocated_bytes.peak",
-                 cuda_stats: Callable[[int], Mapping[str, int]] | None = None) -> None:
+                 cuda_stats: Callable[[int], Mapping[str, int]] | None = None,
+                 cuda_key: str = "allocated_bytes") -> None:
         self.source = "none"
         self._arena_key = arena_key
+        self._cuda_key = cuda_key
         self._rss = process_peak()
         self._cuda_stats = cuda_stats
         self._device: Any = None
@@ -225,10 +233,11 @@ class PeakMeter:
         self._memguard_cuda = _C.cuda_backend() is not None
         if self._memguard_cuda:   # torch's own counters do not work then
             _C.cuda_reset_peaks(self._index)
-            return int(_C.cuda_stats(self._index)["allocated_bytes.current"])
+            return int(_C.cuda_stats(self._index)[f"{self._cuda_key}.current"])
         if pushed is not None and pushed.get("device") == self._index:
-            self._floor, self._mark = int(pushed["allocated_bytes"]), \
-                int(pushed["allocated_peak_bytes"])
+            kind = self._cuda_key.removesuffix("_bytes")
+            self._floor, self._mark = int(pushed[f"{kind}_bytes"]), \
+                int(pushed[f"{kind}_peak_bytes"])
         else:
             self._floor, self._mark = self._read_cuda()
         return self._floor
@@ -244,8 +253,9 @@ class PeakMeter:
         return self.source == "cuda" and index == self._index
 
     def _read_cuda(self, stats: Mapping[str, int] | None = None) -> tuple[int, int]:
-        """(allocated, its peak) on the step's CUDA device, from ``stats``
-        where given, else from one reading."""
+        """(current, peak) of the counter read (allocated bytes unless told)
+        on the step's CUDA device, from ``stats`` where given, else from one
+        reading."""
         if stats is None:
             if self._cuda_stats is not None:
                 stats = self._cuda_stats(self._index)
@@ -253,7 +263,8 @@ class PeakMeter:
                 from memguard.memory import cuda
 
                 stats = cuda.stats(self._index)
-        return int(stats["allocated_bytes.current"]), int(stats["allocated_bytes.peak"])
+        key = self._cuda_key
+        return int(stats[f"{key}.current"]), int(stats[f"{key}.peak"])
 
     def now(self, stats: Mapping[str, int] | None = None,
             settled: bool = False) -> tuple[int, int] | None:
