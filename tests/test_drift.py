@@ -274,3 +274,45 @@ def test_headroom_none_says_nothing(tmp_path):
             guard.step(_batch(16), lambda b: torch.nn.functional.cross_entropy(model(b[0]), b[1]),
                        opt)
     assert guard.boundary.headroom.found is None
+
+
+# -- Lightning -----------------------------------------------------------------------
+
+def test_lightning_logs_the_drift_per_epoch_and_the_forecast_in_epochs(tmp_path):
+    """A MemGuardModule whose training step keeps its activation: the epoch
+    metrics carry the growth per epoch and, once forecast, the epochs left."""
+    L = pytest.importorskip("lightning.pytorch")
+    from memguard.lightning import MemGuardCallback, MemGuardModule
+
+    class Leaky(MemGuardModule, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net, self.kept = _mlp(), []
+
+        def training_step(self, batch, batch_idx):
+            h = self.net[1](self.net[0](batch[0]))
+            self.kept.append(h)
+            return torch.nn.functional.cross_entropy(self.net[2](h), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(20 * 64, 32, generator=g),
+                                        torch.randint(0, 4, (20 * 64,), generator=g))
+    cb = MemGuardCallback(budget="auto", tensor_budget="384MiB")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ForecastWarning)
+        trainer.fit(Leaky(), torch.utils.data.DataLoader(ds, batch_size=64))
+    m = trainer.callback_metrics
+    assert cb.guard.boundary.drift.steps_per_epoch == 20
+    assert float(m["memguard/drift_mib_per_epoch"]) == pytest.approx(
+        20 * float(m["memguard/drift_mib_per_step"]))
+    assert float(m["memguard/drift_mib_per_step"]) >= 1.0        # the 1 MiB activation a step
+    f = cb.guard.summary()["forecast"]
+    assert f is not None and f["epochs_left"] == pytest.approx(f["steps_left"] / 20, abs=0.05)
+    assert float(m["memguard/forecast_epochs_left"]) == pytest.approx(f["epochs_left"])
+    assert float(m["memguard/headroom_batch"]) > 64

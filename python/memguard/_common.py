@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 VERSION = "0.1.0"
@@ -65,3 +66,15 @@ def each(*parts: Any) -> None:
                 first.add_note(f"memguard: teardown also raised {type(e).__name__}: {e}")
     if first is not None:
         raise first
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller of this
+    function name the first frame outside memguard (the user's line)."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f, level = f.f_back, level + 1
+    return level

@@ -34,7 +34,7 @@ import time
 import warnings
 from typing import Any, Callable
 
-from memguard._common import size
+from memguard._common import size, user_stacklevel
 from memguard.telemetry.events import Event
 
 #: steps left out at the start (optimizer state and the allocator's first
@@ -199,7 +199,7 @@ class Drift:
         fields["growing"] = growing(self._baseline, after) if self._baseline else []
         fields["census_s"] = after.seconds + (self._baseline.seconds if self._baseline else 0)
         self.forecast = fields
-        warnings.warn(ForecastWarning(message(fields)), stacklevel=5)
+        warnings.warn(ForecastWarning(message(fields)), stacklevel=user_stacklevel())
         if self._event is not None:
             self._event(Event.FORECAST, **fields)
 

@@ -461,7 +461,8 @@ class Transaction:
         itself breaks them) is warned about once."""
         sizes = self.g.config.sizes
         parts = sizes.of(self.a.n, self.micro)
-        if len(parts) > 1 and not sizes.valid(parts[-1]) and "remainder" not in self.warned:
+        if len(parts) > 1 and parts[-1] != self.micro and not sizes.valid(parts[-1]) \
+                and "remainder" not in self.warned:
             self.warned.add("remainder")
             warnings.warn(
                 f"memguard: a batch of {self.a.n} split at {self.micro} leaves a remainder "
