@@ -92,8 +92,8 @@ def _errors(r: dict) -> tuple[int | None, float | None]:
 
 
 def summarize(records: list[dict]) -> tuple[list[str], dict, dict]:
-    lines = [f"MLP {D_IN}-{HIDDEN}-4, batch {BATCH}, tensor budget {BUDGET >> 20} MiB, "
-             f"leak from step {FLAT}"]
+    lines = [(f"MLP {D_IN}-{HIDDEN}-4, batch {BATCH}, tensor budget {BUDGET >> 20} MiB, "
+              f"leak from step {FLAT}")]
     per_test = {}
     for r in records:
         err, rel = _errors(r)

@@ -153,7 +153,7 @@ def test_noise_and_one_off_jumps_are_not_a_trend(no_census):
     floors = [base + rnd.gauss(0, 8 * MiB) for _ in range(3000)]
     for at in (300, 1200, 2500):                # an evaluation, a save: one-off levels
         floors[at:] = [y + 300 * MiB for y in floors[at:]]
-    d, events = _feed(floors, budget=2 << 30)
+    _, events = _feed(floors, budget=2 << 30)
     assert events == []
 
 
@@ -164,7 +164,7 @@ def test_a_slow_leak_under_noise_is_seen_at_a_longer_scale(no_census):
     rate = 200 << 10
     floors = [500 * MiB + rate * i + rnd.gauss(0, 4 * MiB) for i in range(6000)]
     budget = 1536 * MiB
-    d, events = _feed(floors, budget=budget)
+    _, events = _feed(floors, budget=budget)
     assert len(events) == 1
     f = events[0]
     assert f["rate_bytes_per_step"] == pytest.approx(rate, rel=0.2)
@@ -175,7 +175,7 @@ def test_a_slow_leak_under_noise_is_seen_at_a_longer_scale(no_census):
 def test_an_episode_warns_once_and_ends_when_the_growth_stops(no_census):
     leak = [100 * MiB + MiB * i for i in range(200)]
     flat = [leak[-1]] * 200
-    d, events = _feed(leak + flat + [leak[-1] + MiB * i for i in range(200)], budget=1 << 30)
+    _, events = _feed(leak + flat + [leak[-1] + MiB * i for i in range(200)], budget=1 << 30)
     assert len(events) == 2                       # the second leak is a second episode
     assert events[1]["step"] > 400
 

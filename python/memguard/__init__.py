@@ -40,6 +40,7 @@ _LAZY = {
     "PostStepError": "memguard.train.transaction",
     "BudgetOverrunWarning": "memguard.train.overruns",
     "WorkersWarning": "memguard.train.workers",
+    "ForecastWarning": "memguard.train.drift",
     "Accumulator": "memguard.train.accumulation",
     "accumulate": "memguard.train.accumulation",
     "BatchSizeResult": "memguard.train.finder",
@@ -73,7 +74,7 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     # training
     "Accumulator", "BatchSizeResult", "BudgetOverrunWarning", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
-    "find_batch_size", "WorkersWarning",
+    "find_batch_size", "ForecastWarning", "WorkersWarning",
     # integrations
     "lightning",
     # options
