@@ -191,15 +191,16 @@ def _type_name(t: type) -> str:
         return "?"
     if type(name) is not str:
         return "?"
-    return name if module == "builtins" or type(module) is not str else f"{module}.{name}"
+    return name if type(module) is not str or module == "builtins" else f"{module}.{name}"
 
 
 def _discount(census: Census, counts: dict) -> None:
     """Take an earlier census's own tracked containers out of the counts
     (by type)."""
     mine = [census, census.tensors, census.objects]
-    for key, value in census.tensors.items():
-        mine += [key, value, key[2]] if type(key) is tuple and len(key) == 4 else [key, value]
+    if type(census.tensors) is dict:       # one built by hand may hold anything
+        for key, value in census.tensors.items():
+            mine += [key, value, key[2]] if type(key) is tuple and len(key) == 4 else [key, value]
     for x in mine:
         if gc.is_tracked(x) and counts.get(type(x), 0) > 0:
             counts[type(x)] -= 1
