@@ -7,7 +7,9 @@ The data path: :mod:`~memguard.telemetry.samples` (one reading),
 :mod:`~memguard.telemetry.tensorboard`), :mod:`~memguard.telemetry.events`
 (the names of what the guard records), :mod:`~memguard.telemetry.budget`
 (budgets as people write them), :mod:`~memguard.telemetry.workers` (the
-process's DataLoader workers, apart from its own footprint).
+process's DataLoader workers, apart from its own footprint),
+:mod:`~memguard.telemetry.census` (the live tensors and objects, and what
+grows between two censuses).
 """
 from memguard.telemetry.budget import parse_budget
 from memguard.telemetry.events import Event
