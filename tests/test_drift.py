@@ -86,6 +86,20 @@ def test_a_dict_cache_of_detached_features_is_forecast_and_named(tmp_path):
     assert f"(64, {HIDDEN}) float32" in top and "graph" not in top
 
 
+def test_a_leak_outside_the_arena_is_forecast_from_the_footprint(tmp_path):
+    """Bytes the arena does not serve (a list of buffers kept a step) grow
+    the process's footprint, not the arena's floor: forecast against the
+    process's budget."""
+    kept: list = []
+    held = memguard.sample().footprint_bytes or memguard.sample().rss_bytes
+    _, warned, events = _run(tmp_path, lambda h: kept.append(bytearray(b"x") * (2 * MiB)), 80,
+                             budget=held + 300 * MiB)
+    assert len(warned) == 1
+    f = _forecasts(events)[0]
+    assert f["source"] == "footprint" and f["step"] < 80
+    assert f["rate_bytes_per_step"] == pytest.approx(2 * MiB, rel=0.25)
+
+
 def test_a_leak_far_from_the_budget_is_not_forecast_within_the_horizon(tmp_path):
     kept: list = []
     _, warned, events = _run(tmp_path, kept.append, 40, tensor_budget="256MiB",
@@ -143,7 +157,7 @@ def _feed(floors, budget=4 << 30, horizon=1000):
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         for step, y in enumerate(floors):
-            d.observe(step, int(y), budget, 0)
+            d.observe(step, [("arena", int(y), budget)], 0)
     return d, events
 
 
@@ -190,7 +204,7 @@ def test_epochs_are_counted_where_known(no_census):
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         for i in range(60):
-            d.observe(i, 100 * MiB + MiB * i, 400 * MiB, 0)
+            d.observe(i, [("arena", 100 * MiB + MiB * i, 400 * MiB)], 0)
     f = events[0]
     assert f["rate_bytes_per_epoch"] == pytest.approx(50 * MiB, rel=0.05)
     assert f["epochs_left"] == pytest.approx(f["steps_left"] / 50)
@@ -316,3 +330,30 @@ def test_lightning_logs_the_drift_per_epoch_and_the_forecast_in_epochs(tmp_path)
     assert f is not None and f["epochs_left"] == pytest.approx(f["steps_left"] / 20, abs=0.05)
     assert float(m["memguard/forecast_epochs_left"]) == pytest.approx(f["epochs_left"])
     assert float(m["memguard/headroom_batch"]) > 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_kept_per_step_are_forecast_and_named(tmp_path):
+    """On the device: the floor is CUDA's allocated bytes, the budget the
+    device's (cuda_budget); the kept tensors are named on cuda:0."""
+    model = _mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept: list = []
+
+    def loss_fn(b):
+        h = model[1](model[0](b[0]))
+        kept.append(h)
+        return torch.nn.functional.cross_entropy(model[2](h), b[1])
+
+    guard = memguard.Guard(budget=None, cuda_budget="384MiB")
+    with guard, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(80):
+            x, y = _batch()
+            guard.step((x.cuda(), y.cuda()), loss_fn, opt)
+    assert guard.peak_source == "cuda"
+    warned = [w for w in caught if issubclass(w.category, ForecastWarning)]
+    assert len(warned) == 1
+    f = guard.summary()["forecast"]
+    assert f["step"] < 80
+    assert f"(64, {HIDDEN}) float32 on cuda:0 that hold autograd graphs" in f["growing"][0]["what"]

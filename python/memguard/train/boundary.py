@@ -98,10 +98,21 @@ class Boundary:
         budget = self.planner.budget
         # what a step at the smallest size needs above its floor, scaled
         need = max(0, exact - self.floor) * self.planner.opts["min_micro"] // max(micro, 1)
-        self.drift.observe(step, self.floor, budget, need)
+        self.drift.observe(step, self._readings(budget), need)
         self.headroom.observe(step, micro, n, exact, budget, self.planner.planner,
                               self.peak.source)
         return peak
+
+    def _readings(self, budget: int) -> list[tuple[str, int, int]]:
+        """What the drift follows: the peak source's floor against the
+        planner's budget, and (where the floor is not already the RSS) the
+        process's footprint at this boundary against its live budget."""
+        out = [(self.peak.source, self.floor, budget)]
+        s, room = self._sample, self.room.last
+        held = s is not None and (s.footprint_bytes or s.rss_bytes)
+        if held and self.peak.source != "rss":
+            out.append(("footprint", int(held), room.budget_bytes if room else 0))
+        return out
 
     def said(self) -> dict[str, Any]:
         """The forecast (while its episode lasts) and the headroom, as their

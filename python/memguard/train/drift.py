@@ -103,8 +103,40 @@ class _Scale:
         return (meds[3] - meds[0]) / (xs[3] - xs[0]), meds[3], xs[3]
 
 
+class _Series:
+    """One quantity read at every step: its time scales and their trend."""
+
+    def __init__(self) -> None:
+        self.scales = [_Scale(b) for b in BLOCKS]
+        self.rising: _Scale | None = None
+
+    def add(self, step: int, value: int) -> None:
+        for s in self.scales:
+            s.add(step, value)
+        rising = [s for s in self.scales if s.last is not None]
+        # the longest rising scale: the most steps behind its rate (a
+        # growth that began late does not rise over the longer ones)
+        self.rising = rising[-1] if rising else None
+
+    @property
+    def trend(self) -> tuple[float, float, float] | None:
+        """(rate per step, the trend's value, at the step), or ``None``."""
+        return self.rising.last if self.rising is not None else None
+
+    def since(self) -> int:
+        """The first step of the window the trend was read from."""
+        s = self.rising
+        return int(s.points[0][0]) if s is not None and s.points else 0
+
+
 class Drift:
-    """The trend of a guard's floors and the forecast from it.
+    """The trends of what a guard holds between steps, and the forecast.
+
+    Two quantities are followed: the floor of the peak's source (against
+    the planner's budget for it) and the process's footprint (its RSS with
+    its DataLoader workers', against the process's live budget), which
+    also sees what the arena does not serve (NumPy arrays, Python objects).
+    The forecast is the nearer of the two.
 
     Args:
         horizon: steps (an int), ``"N epochs"``, ``"auto"``
@@ -120,15 +152,14 @@ class Drift:
         #: optimizer steps per epoch (the Lightning callback sets it)
         self.steps_per_epoch = steps_per_epoch
         self._event = event
-        self._scales = [_Scale(b) for b in BLOCKS]
+        self._series: dict[str, _Series] = {}
         self._times: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        #: the last trend read (rate per step, level, at step), for metrics
+        #: the floor's trend (rate per step, level, at step), for metrics
         self.trend: tuple[float, float, float] | None = None
         #: the last forecast's event fields, until its episode ends
         self.forecast: dict[str, Any] | None = None
         self._quiet = 0                 # steps in a row without a rising trend
-        self._baseline: Any = None      # the census taken when the trend first rose
-        self._rising: _Scale | None = None
+        self._baseline: Any = None      # the census taken when a trend first rose
 
     def horizon_steps(self) -> int | None:
         """The horizon in steps now (``None``: no forecast)."""
@@ -142,54 +173,59 @@ class Drift:
         epochs = int(str(h).split()[0])
         return epochs * spe if spe else AUTO_STEPS
 
-    def observe(self, step: int, floor: int, budget: int, need: int) -> None:
-        """A committed step: it began holding ``floor`` bytes; the budget
-        of the floor's source is ``budget`` (0: none), and a step at the
-        smallest micro-batch needs ``need`` bytes above its floor."""
-        if self.horizon is None or step < WARMUP or floor <= 0:
+    def observe(self, step: int, readings: list[tuple[str, int, int]], need: int) -> None:
+        """A committed step. ``readings``: ``(source, bytes held as it
+        began, the budget of that source)`` (the floor's first; a budget of
+        0: none); a step at the smallest micro-batch needs ``need`` bytes
+        above its floor."""
+        if self.horizon is None or step < WARMUP:
             return
         self._times.append(time.monotonic())
-        for s in self._scales:
-            s.add(step, floor)
-        rising = [s for s in self._scales if s.last is not None]
-        # the longest rising scale: the most steps behind its rate (a
-        # growth that began late does not rise over the longer ones)
-        self._rising = rising[-1] if rising else None
-        self.trend = self._rising.last if rising else None
-        self._episode(step, budget, need, bool(rising))
+        for source, value, _ in readings:
+            if value > 0:
+                self._series.setdefault(source, _Series()).add(step, value)
+        first = self._series.get(readings[0][0]) if readings else None
+        self.trend = first.trend if first is not None else None
+        self._episode(step, readings, need)
 
-    def _episode(self, step: int, budget: int, need: int, rising: bool) -> None:
-        """Once per episode: the first census when the trend rises, the
+    def _episode(self, step: int, readings: list[tuple[str, int, int]], need: int) -> None:
+        """Once per episode: the first census when a trend rises, the
         forecast :data:`CENSUS_GAP` steps later (at once when the budget is
         nearer); the episode, and the census, forgotten after a window of
         steps without a rising trend."""
+        rising = [(src, budget) for src, _, budget in readings
+                  if src in self._series and self._series[src].trend is not None]
         self._quiet = 0 if rising else self._quiet + 1
         if self._quiet >= WINDOW:
             self.forecast, self._baseline = None, None
-        if self.forecast is not None or not rising or not budget:
+        if self.forecast is not None or not rising:
             return
         if self._baseline is None:
             self._baseline = _census(step)
-        fields = self._fields(step, budget, need)
-        if fields is not None and (fields["steps_left"] <= CENSUS_GAP
-                                   or step - self._baseline.step >= CENSUS_GAP):
+        due = [f for f in (self._fields(step, src, budget, need) for src, budget in rising if budget)
+               if f is not None]
+        if not due:
+            return
+        fields = min(due, key=lambda f: f["steps_left"])
+        if fields["steps_left"] <= CENSUS_GAP or step - self._baseline.step >= CENSUS_GAP:
             self._fire(fields)
 
-    def _fields(self, step: int, budget: int, need: int) -> dict[str, Any] | None:
-        """The forecast's fields when the trend reaches the budget within
-        the horizon."""
-        rate, level, at = self.trend
+    def _fields(self, step: int, source: str, budget: int, need: int) -> dict[str, Any] | None:
+        """The forecast's fields when the trend of ``source`` reaches its
+        budget within the horizon."""
+        series = self._series[source]
+        rate, level, at = series.trend
         horizon = self.horizon_steps()
         level += rate * (step - at)
         left = max(0.0, (budget - need - level) / rate)
         if horizon is None or left > horizon:
             return None
         spe = self.steps_per_epoch
-        return {"step": step, "level_bytes": int(level), "rate_bytes_per_step": rate,
-                "rate_bytes_per_epoch": rate * spe if spe else None, "budget_bytes": budget,
-                "need_bytes": need, "steps_left": int(left), "reach_step": step + int(left),
-                "epochs_left": left / spe if spe else None,
-                "seconds_left": left * self._step_seconds(), "since_step": self._since(),
+        return {"step": step, "source": source, "level_bytes": int(level),
+                "rate_bytes_per_step": rate, "rate_bytes_per_epoch": rate * spe if spe else None,
+                "budget_bytes": budget, "need_bytes": need, "steps_left": int(left),
+                "reach_step": step + int(left), "epochs_left": left / spe if spe else None,
+                "seconds_left": left * self._step_seconds(), "since_step": series.since(),
                 "horizon_steps": horizon}
 
     def _fire(self, fields: dict[str, Any]) -> None:
@@ -206,11 +242,6 @@ class Drift:
     def _step_seconds(self) -> float:
         t = self._times
         return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
-
-    def _since(self) -> int:
-        """The first step of the window the trend was read from."""
-        s = self._rising
-        return int(s.points[0][0]) if s is not None and s.points else 0
 
 
 def _census(step: int) -> Any:
