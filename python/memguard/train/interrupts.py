@@ -82,6 +82,7 @@ class held:
                 _signal.signal(s, h)
         self._handlers.update(saved)
         self._over = True
+        self._hold = None    # the bound method held self: no cycle left for gc each step
 
     def _forward(self, signum: int, frame: object) -> None:
         h = self._handlers.get(signum)
