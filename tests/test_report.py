@@ -324,6 +324,29 @@ def test_a_forecast_is_a_row_a_list_and_a_trend_to_the_budget(tmp_path):
     assert near(img, FORECAST_RGB) >= 300, "the trend is drawn"
 
 
+def test_a_forecast_far_below_the_panels_top_is_shown_cut(tmp_path):
+    """A forecast against the arena's 400 MiB in a panel that goes to 20 GiB
+    (the process's budget) would be a flat line at its bottom: the panel is
+    cut at a quarter above the trend's budget, and says so; a forecast near
+    the top is left as it is."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from memguard.cli.report import _zoom_to_trends, scan
+
+    src = tmp_path / "forecast.jsonl"
+    write_drift_run(src, "forecast")
+    run = scan(src)
+    for top, cut in ((20 << 30, True), (1 << 30, False)):
+        fig, ax = plt.subplots()
+        ax.set_ylim(0, top / MiB)
+        _zoom_to_trends(ax, run, run.trends(), top, MiB)
+        assert ax.get_ylim()[1] == pytest.approx(500 if cut else top / MiB)
+        assert bool(ax.texts) is cut
+        plt.close(fig)
+
+
 def test_a_headroom_is_a_row_and_no_forecast_is_none(tmp_path):
     from memguard.cli.report import report
 

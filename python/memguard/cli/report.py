@@ -590,10 +590,25 @@ def _memory_panel(ax: Any, run: _Run, budget: int | None, t0: float, end: float)
                 ha="center", va="center", color="#868e96")
     ax.set_ylabel(f"memory ({unit})")
     ax.set_ylim(bottom=0)
+    _zoom_to_trends(ax, run, trends, top, scale)
     ax.set_title("memory against the budget", loc="left", fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=9, framealpha=0.9)
+
+
+def _zoom_to_trends(ax: Any, run: _Run, trends: list, top: float, scale: float) -> None:
+    """A forecast whose budget (the arena's, the device's) is a small part
+    of the panel's height would be a flat line at its bottom: the panel is
+    cut at a quarter above the trend's budget and what it held, and the
+    cut said."""
+    near = max([run.top_floor, run.top_peak, *(ys[-1] for _, ys in trends)], default=0)
+    if not trends or near * 4 > top:
+        return
+    ax.set_ylim(0, near * 1.25 / scale)
+    ax.text(0.01, 0.98, f"cut at {size(int(near * 1.25))} to show the forecast (the panel "
+            f"goes to {size(int(top))})", transform=ax.transAxes, va="top", fontsize=8,
+            color="#868e96")
 
 
 def _level_panel(ax: Any, run: _Run, t0: float) -> None:
