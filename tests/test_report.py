@@ -589,6 +589,8 @@ def test_tensorboard_exporter_direct_use(tmp_path):
         tb.event("relieve", reason="high", seconds=0.25, arena_released_bytes=4096)
         tb.event("relieve", reason="oom", seconds=0.5)
         tb.event("validation_start", epoch=1, note="not a number")
+        tb.event("forecast", step=40, rate_bytes_per_step=2048.0, steps_left=300, growing=[])
+        tb.event("headroom", step=41, largest_batch=96, queue=None)
     tb.close()                      # idempotent
     tb(s)                           # and quiet once closed
     ea = EventAccumulator(str(tmp_path))
@@ -602,6 +604,9 @@ def test_tensorboard_exporter_direct_use(tmp_path):
     assert values("gc/reliefs") == [(3, 1.0), (3, 2.0)]
     assert values("gc/relief_seconds") == [(3, 0.25), (3, 0.5)]
     assert values("events/validation_start") == [(3, 1.0)]
+    assert values("drift/rate_bytes_per_step") == [(40, 2048.0)]
+    assert values("drift/steps_left") == [(40, 300.0)]
+    assert values("headroom/largest_batch") == [(41, 96.0)]
     if s.arena_allocated_bytes is None:     # absent: left out, never a made-up 0
         assert "memory/arena_allocated_bytes" not in ea.Tags()["scalars"]
     else:

@@ -134,7 +134,8 @@ class TensorBoardExporter:
 
     def event(self, name: Event | str, **data: Any) -> None:
         """Write one event: a ``step`` as its throttle scalars, a
-        ``checkpoint`` as the blocks checkpointed, and any event as the
+        ``checkpoint`` as the blocks checkpointed, a ``forecast`` as its
+        rate and steps left, a ``headroom`` as its largest batch, and any event as the
         running count of its kind (``throttle/ooms_recovered``,
         ``gc/reliefs``, ``events/<name>`` for others). Fields that are not
         numbers are left out."""
@@ -155,6 +156,12 @@ class TensorBoardExporter:
             self._add("gc/relief_seconds", data.get("seconds"), self._step, t)
             self._add("gc/arena_released_bytes", data.get("arena_released_bytes"),
                       self._step, t)
+        elif name == Event.FORECAST:
+            self._add("drift/rate_bytes_per_step", data.get("rate_bytes_per_step"),
+                      self._step, t)
+            self._add("drift/steps_left", data.get("steps_left"), self._step, t)
+        elif name == Event.HEADROOM:
+            self._add("headroom/largest_batch", data.get("largest_batch"), self._step, t)
         self._counts[name] += 1
         self._add(COUNTED_TAGS.get(name, f"events/{name}"), self._counts[name],
                   self._step, t)
