@@ -74,7 +74,8 @@ def test_a_list_that_keeps_graphs_is_forecast_within_80_steps_and_named(tmp_path
     top = f["growing"][0]["what"]
     assert f"(64, {HIDDEN}) float32" in top and "autograd graph" in top and "+1 a step" in top
     assert top in str(warned[0].message)
-    assert guard.summary()["forecast"]["step"] == f["step"]
+    now = guard.summary()["forecast"]              # followed since the event
+    assert now["step"] >= f["step"] and now["reach_step"] == now["step"] + now["steps_left"]
 
 
 def test_a_dict_cache_of_detached_features_is_forecast_and_named(tmp_path):
@@ -192,6 +193,18 @@ def test_an_episode_warns_once_and_ends_when_the_growth_stops(no_census):
     _, events = _feed(leak + flat + [leak[-1] + MiB * i for i in range(200)], budget=1 << 30)
     assert len(events) == 2                       # the second leak is a second episode
     assert events[1]["step"] > 400
+
+
+def test_the_forecast_follows_its_trend_after_the_one_warning(no_census):
+    """The growth slows to a quarter after the forecast: one event, with
+    the first reading; ``forecast`` (the summary's, the metrics') reads the
+    slower rate and the later reach."""
+    floors = [100 * MiB + MiB * i for i in range(100)]
+    floors += [floors[-1] + MiB // 4 * i for i in range(1, 400)]
+    d, events = _feed(floors, budget=1 << 30)
+    assert len(events) == 1 and events[0]["rate_bytes_per_step"] == pytest.approx(MiB)
+    assert d.forecast["rate_bytes_per_step"] == pytest.approx(MiB / 4, rel=0.1)
+    assert d.forecast["reach_step"] > events[0]["reach_step"] + 1000
 
 
 def test_epochs_are_counted_where_known(no_census):
