@@ -69,7 +69,7 @@ bench: build
 
 # libFuzzer targets over the C parsers (/proc and cgroup files, budgets,
 # options), FUZZ_SECONDS each under ASan + UBSan + LeakSanitizer; needs clang
-# with libFuzzer (`make system-deps`). `make test` runs each for 10 s where
+# with libFuzzer (`make system-deps`). `make test` runs each for 5 s where
 # it is present, and elsewhere passes their seeds through them built with the
 # C compiler at hand (`tests/fuzz/run.py --replay`).
 FUZZ_SECONDS ?= 600
