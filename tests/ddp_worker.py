@@ -12,7 +12,9 @@ the size, and at the chosen steps lowers the arena's budget between the
 two; or (``--oom-in-backward``) lowers it inside a backward pass to what
 the arena holds, so that the backward's next large allocation is refused.
 Each rank writes what happened, the arena's refusals among it, and its
-final parameters to ``<out>/rank<r>.pt``.
+final parameters to ``<out>/rank<r>.pt``; the rank that ran out then
+uninstalls the allocator, so that the next run of a launch of several
+(``--scenarios``) starts without it.
 """
 from __future__ import annotations
 
@@ -265,6 +267,8 @@ def run(a: argparse.Namespace) -> None:
         record["reference"] = reference(a.steps, a.batch * world, a.teacher, a.hidden,
                                         a.caller_weights, world)
     torch.save(record, os.path.join(a.out, f"rank{rank}.pt"))
+    if oom_here:
+        memguard.uninstall()      # the next run of the launch starts without the allocator
 
 
 if __name__ == "__main__":

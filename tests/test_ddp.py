@@ -57,8 +57,10 @@ def _mode(overlap: bool) -> list[str]:
     return ["--overlap"] if overlap else []
 
 
-#: the runs with no out-of-memory error (no rank installs memguard's
-#: allocator), made one after the other in one torchrun launch: name -> args
+#: the two-rank runs, made one after the other in one torchrun launch (a
+#: launch costs more than a run): name -> args. Those with an out-of-memory
+#: error come last; the rank that runs out installs memguard's allocator for
+#: its run and uninstalls it after, so that every run starts without it
 SHARED = {
     **{f"plain-{o}": ["--micro-batch", "4", *_mode(o == "overlap")]
        for o in ("deferred", "overlap")},
@@ -70,13 +72,17 @@ SHARED = {
     **{f"skip-{o}-{m}": ["--micro-batch", m, "--skip-rank", "1", "--skip-at", "2",
                          *_mode(o == "overlap")]
        for o in ("deferred", "overlap") for m in ("4", "16")},
+    "oom-rank1-step0": ["--oom-rank", "1", "--oom-at", "0"],
+    "oom-forward": ["--overlap", "--teacher", "--oom-rank", "1", "--oom-at", "2"],
+    "oom-minimum": ["--oom-rank", "0", "--tiny-budget", "--oom-at", "1"],
+    "oom-backward": ["--micro-batch", "8", "--oom-rank", "0", "--oom-in-backward", "1"],
 }
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> dict[str, tuple[dict, ...]]:
-    """Every run of :data:`SHARED`, in one launch (a launch costs more than
-    a run): name -> the ranks' records."""
+    """Every run of :data:`SHARED`, in one launch: name -> the ranks'
+    records."""
     root = tmp_path_factory.mktemp("ddp")
     argvs = []
     for name, args in SHARED.items():
@@ -156,10 +162,10 @@ def test_a_batch_skipped_on_one_rank_is_skipped_on_both(shared, overlap, micro):
         assert torch.equal(v, r1["state"][k]), k
 
 
-def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
+def test_oom_on_one_rank_redoes_the_step_on_both(shared):
     """Rank 1 runs out of memory in the first step's backward at the full
     size; both ranks redo it at half the size and keep that size."""
-    r0, r1 = torchrun(tmp_path, "--oom-rank", "1", "--oom-at", "0")
+    r0, r1 = shared["oom-rank1-step0"]
     assert_trained_alike(r0, r1)
     assert r0["micro"] == [8] * 5
     assert r0["tried"][0] == [16] and r0["retries"] == [1, 0, 0, 0, 0]
@@ -168,25 +174,24 @@ def test_oom_on_one_rank_redoes_the_step_on_both(tmp_path):
     assert r1["arena_refusals"] >= 1 and r0["arena_refusals"] == 0
 
 
-def test_oom_in_forward_with_ddp_synchronising(tmp_path):
+def test_oom_in_forward_with_ddp_synchronising(shared):
     """DDP synchronises the last backward itself (overlap); rank 1 runs out
     of memory in a teacher's no-grad forward at step 2, after DDP's reducer
     has run. The flag is agreed before the synchronising backward, the
     reducer is reset on both ranks, and training goes on at half the size."""
-    r0, r1 = torchrun(tmp_path, "--overlap", "--teacher", "--oom-rank", "1",
-                      "--oom-at", "2")
+    r0, r1 = shared["oom-forward"]
     assert_trained_alike(r0, r1)
     assert r0["micro"] == [16, 16, 8, 8, 8]
     assert r0["tried"][2] == [16] and r0["reasons"][2] == "peer"
     assert r1["arena_refusals"] >= 1 and r0["arena_refusals"] == 0
 
 
-def test_oom_at_the_minimum_stops_every_rank(tmp_path):
+def test_oom_at_the_minimum_stops_every_rank(shared):
     """Nothing fits on rank 0: both ranks raise GuardOOMError naming the same
     sizes, keep the same parameters, and neither hangs. Rank 0's planner
     knows from its model that not even one sample fits a 4 KiB room: the
     retry goes straight to the smallest size, not through every half."""
-    r0, r1 = torchrun(tmp_path, "--oom-rank", "0", "--tiny-budget", "--oom-at", "1")
+    r0, r1 = shared["oom-minimum"]
     assert r0["gave_up"] == r1["gave_up"] == [16, 1]
     assert r0["micro"] == r1["micro"] == [16]
     assert r0["arena_refusals"] >= 2 and r1["arena_refusals"] == 0   # one per size tried
@@ -195,15 +200,15 @@ def test_oom_at_the_minimum_stops_every_rank(tmp_path):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_oom_inside_backward_of_a_ddp_model(tmp_path, ranks):
+def test_oom_inside_backward_of_a_ddp_model(tmp_path, request, ranks):
     """An out-of-memory error inside the backward of a DDP model (the last
     micro-batch's, where DDP's reducer synchronises), at world size 1 as at
     2: the arena refuses GELU's gradient once the output layer's gradients
     are made. A model wrapped in DDP runs its micro-batches as the deferred
     mode does whatever the world size, so the redo starts from a clean
     reducer, and the run ends with the uninterrupted run's parameters."""
-    recs = torchrun(tmp_path, "--micro-batch", "8", "--oom-rank", "0",
-                    "--oom-in-backward", "1", ranks=ranks)
+    recs = request.getfixturevalue("shared")["oom-backward"] if ranks == 2 else \
+        torchrun(tmp_path, *SHARED["oom-backward"], ranks=ranks)
     r0 = recs[0]
     for k, ref in r0["reference"].items():
         torch.testing.assert_close(r0["state"][k], ref, rtol=1e-5, atol=1e-6, msg=k)
