@@ -157,11 +157,12 @@ def make_moco_step(queue_size: int = QUEUE):
 def test_moco_queue_follows_the_batch_that_fits(arena):
     """Seed story 002: under a budget where a batch near 96 fits, queue_size=
     proposes that batch and a queue that is a multiple of it; a step at both
-    fits the budget under the arena. divisor_of= can only answer a power of
-    two of 65536, below it. (The finder judges the bytes the step requests;
-    the arena charges its blocks, which round requests up by up to 25 %:
-    a margin of 0.2 keeps a size the finder fits inside an arena bounded at
-    the budget.)"""
+    requests less than the budget (less the margin), one at twice the batch
+    more than the budget. divisor_of= can only answer a power of
+    two of 65536, below it. (The finder judges the bytes the step requests,
+    and so does this test; the arena charges its blocks, which round
+    requests up by up to 25 %: a margin of 0.2 keeps a size the finder fits
+    inside an arena bounded at the budget.)"""
     budget = 128 << 20                  # about 1 MiB a sample: 96-100 fit
     sample = torch.randn(64, 2, D_IN)
     res = memguard.find_batch_size(make_moco_step(), sample, budget=budget, margin=0.2,
@@ -172,14 +173,16 @@ def test_moco_queue_follows_the_batch_that_fits(arena):
     step = make_moco_step(res.queue_size)         # the run as proposed
     memguard.trim()
     held = memguard.stats()      # what tensors alive in this process hold already
-    memguard.memory.arena.set_budget(int(held["allocated_bytes.current"]) + budget)
+    # a bound only: the bytes each step requests are the measure (blocks
+    # cached by earlier tests may serve a request with a larger one)
+    memguard.memory.arena.set_budget(int(held["allocated_bytes.current"]) + 3 * budget)
     try:
-        memguard.memory.arena.reset_peaks()
-        step(torch.randn(res.size, 2, D_IN))
-        assert memguard.stats()["requested_bytes.peak"] - held["requested_bytes.current"] \
-            <= budget * 0.8
-        with pytest.raises(RuntimeError, match="can't allocate memory"):
-            step(torch.randn(2 * res.size, 2, D_IN))   # the same budget holds a step back
+        peaks = []
+        for n in (res.size, 2 * res.size):
+            memguard.memory.arena.reset_peaks()
+            step(torch.randn(n, 2, D_IN))
+            peaks.append(memguard.stats()["requested_bytes.peak"] - held["requested_bytes.current"])
+        assert peaks[0] <= budget * 0.8 < budget < peaks[1], peaks   # fits; twice does not
     finally:
         memguard.memory.arena.set_budget(None)
     div = memguard.find_batch_size(make_moco_step(), sample, budget=budget, margin=0.2,
