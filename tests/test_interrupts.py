@@ -8,7 +8,6 @@ timers at random points of a few hundred steps; each time the guard's count
 agrees with what happened and the guard goes on."""
 from __future__ import annotations
 
-import copy
 import os
 import random
 import signal
@@ -120,8 +119,21 @@ def loss_of(model):
     return lambda b: F.cross_entropy(model(b[0]), b[1])
 
 
+def copied(x):
+    """``x`` with its tensors cloned and its dicts, lists and tuples rebuilt:
+    ``copy.deepcopy`` of a state dict, in a tenth of the time (the tests
+    below copy one at each of a few thousand interrupts)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: copied(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(copied(v) for v in x)
+    return x
+
+
 def state_of(model, opt) -> tuple:
-    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    return copied(model.state_dict()), copied(opt.state_dict())
 
 
 def same(a: tuple, b: tuple) -> bool:
@@ -140,7 +152,7 @@ def committed(kind: str, before: tuple, batch, micro: int) -> tuple:
     ``before``."""
     model, opt = make(kind)
     model.load_state_dict(before[0])
-    opt.load_state_dict(copy.deepcopy(before[1]))      # it keeps the tensors it is given
+    opt.load_state_dict(copied(before[1]))      # it keeps the tensors it is given
     Guard(budget=None, micro_batch=micro, allocator=False).step(batch, loss_of(model), opt,
                                                                  restore=[model])
     return state_of(model, opt)
@@ -271,7 +283,7 @@ def test_a_signal_at_any_line_of_a_step_leaves_it_rolled_back_or_committed(inter
     while True:
         at += 1
         model.load_state_dict(before[0])
-        opt.load_state_dict(copy.deepcopy(before[1]))   # it keeps the tensors it is given
+        opt.load_state_dict(copied(before[1]))   # it keeps the tensors it is given
         steps = g.steps
         tracer, seen = _memguard_lines(sig, at)
         raised = False
