@@ -91,7 +91,9 @@ def test_a_dict_cache_of_detached_features_is_forecast_and_named(tmp_path):
 def test_a_leak_outside_the_arena_is_forecast_from_the_footprint(tmp_path):
     """Bytes the arena does not serve (a list of buffers kept a step) grow
     the process's footprint, not the arena's floor: forecast against the
-    process's budget."""
+    process's budget. The sampler's period is a minute: the footprint is
+    read at each boundary, not taken from its newest sample (which, where
+    steps are short, stays the same for many of them)."""
     kept: list = []
 
     def keep(_):
@@ -100,7 +102,7 @@ def test_a_leak_outside_the_arena_is_forecast_from_the_footprint(tmp_path):
         kept.append(buf)
 
     held = memguard.sample().footprint_bytes or memguard.sample().rss_bytes
-    _, warned, events = _run(tmp_path, keep, 80, budget=held + 300 * MiB)
+    _, warned, events = _run(tmp_path, keep, 80, budget=held + 300 * MiB, interval_ms=60000)
     assert len(warned) == 1
     f = _forecasts(events)[0]
     assert f["source"] == "footprint" and f["step"] < 80

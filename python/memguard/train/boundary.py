@@ -105,13 +105,14 @@ class Boundary:
 
     def _readings(self, budget: int) -> list[tuple[str, int, int]]:
         """What the drift follows: the peak source's floor against the
-        planner's budget, and (where the floor is not already the RSS) the
+        planner's budget, and (where the floor is not already the process's) the
         process's footprint at this boundary against its live budget."""
         out = [(self.peak.source, self.floor, budget)]
-        s, room = self._sample, self.room.last
-        held = s is not None and (s.footprint_bytes or s.rss_bytes)
-        if held and self.peak.source != "rss":
-            out.append(("footprint", int(held), room.budget_bytes if room else 0))
+        own, room = self.peak.footprint(), self.room.last
+        if own and self.peak.source not in ("rss", "footprint"):
+            # read now: the sampler's newest sample can be several steps old
+            workers = getattr(self._sample, "children_bytes", None) or 0
+            out.append(("footprint", own + workers, room.budget_bytes if room else 0))
         return out
 
     def said(self) -> dict[str, Any]:

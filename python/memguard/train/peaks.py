@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
@@ -33,22 +34,31 @@ class RssPeak:
         self._pid = -1
         self._clear: int | None = None
         self._status: int | None = None
+        self._finalizers: list[weakref.finalize] = []
 
     def _open(self) -> None:
         if self._pid == os.getpid():
             return
         self.close()
         self._pid = os.getpid()
-        self._status = _open_or_none("/proc/self/status", os.O_RDONLY)
+        self._status = self._closed_with_self(_open_or_none("/proc/self/status", os.O_RDONLY))
+
+    def _closed_with_self(self, fd: int | None) -> int | None:
+        """``fd``, closed by ``os.close`` itself when this reader is
+        collected: no finalizer of memguard's runs then (an exception
+        raised in one, a Ctrl-C's included, would be lost)."""
+        if fd is not None:
+            self._finalizers.append(weakref.finalize(self, os.close, fd))
+        return fd
 
     def close(self) -> None:
         """Close the files (they reopen on the next use)."""
-        for fd in (self._clear, self._status):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for closing in self._finalizers:
+            try:
+                closing()
+            except OSError:
+                pass
+        self._finalizers.clear()
         self._clear = self._status = None
         self._pid = -1
 
@@ -57,7 +67,8 @@ class RssPeak:
         (Only the pytest plugin resets it: a guard reads the mark.)"""
         self._open()
         if self._clear is None:     # opened on first use
-            self._clear = _open_or_none("/proc/self/clear_refs", os.O_WRONLY)
+            self._clear = self._closed_with_self(_open_or_none("/proc/self/clear_refs",
+                                                               os.O_WRONLY))
         if self._clear is None:
             return False
         try:
@@ -77,9 +88,15 @@ class RssPeak:
             return None, None
         return _kib_field(text, b"VmRSS:"), _kib_field(text, b"VmHWM:")
 
-    def __del__(self) -> None:
-        if self._pid == os.getpid():
-            self.close()
+    def footprint(self) -> int | None:
+        """Resident plus swapped-out bytes now (``None`` where unreadable)."""
+        self._open()
+        try:
+            text = os.pread(self._status, 16384, 0) if self._status is not None else b""
+        except OSError:
+            return None
+        rss = _kib_field(text, b"VmRSS:")
+        return None if rss is None else rss + (_kib_field(text, b"VmSwap:") or 0)
 
 
 class FootprintPeak:
@@ -115,6 +132,10 @@ class FootprintPeak:
         peak = int.from_bytes(buf.raw[self.INTERVAL_MAX_AT:self.INTERVAL_MAX_AT + 8],
                               sys.byteorder)
         return now, (peak if self._reset is not None else None)
+
+    def footprint(self) -> int | None:
+        """The footprint now (``None`` where unreadable)."""
+        return self.read()[0]
 
     def close(self) -> None:
         """Nothing is held open."""
@@ -222,6 +243,12 @@ class PeakMeter:
         now, self._mark = self._rss.read()
         self._floor = now or 0
         return self._floor
+
+    def footprint(self) -> int | None:
+        """The process's own footprint now (resident plus swapped-out, or
+        macOS's footprint; ``None`` where unreadable): one read of a file
+        the reader keeps open, cheap at every boundary."""
+        return self._rss.footprint()
 
     def start_cuda(self, device: Any, pushed: Mapping[str, int] | None = None) -> int:
         """:meth:`start` for a step on the CUDA ``device`` (a ``torch.device``)."""
