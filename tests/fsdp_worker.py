@@ -165,6 +165,9 @@ def run(name: str, out: str) -> bool:
                 rec["micro"].append(res.micro_batch)
                 rec["tried"].append(res.tried)
                 rec["armed"].append(guard._peers.armed)
+            if engine == "fsdp":            # an evaluation: every rank's forwards alike
+                pred = guard.infer(x[0], model)
+                rec["infer_equal"] = torch.equal(pred, model(x[0]).detach())
         except RuntimeError as exc:   # what a stranded rank raises (gloo's too), recorded
             rec["error"] = f"{type(exc).__name__}: {exc}"
     rec["seconds"] = time.perf_counter() - t0

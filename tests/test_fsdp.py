@@ -71,6 +71,7 @@ def test_fsdp2_micro_batches_of_4_equal_the_unsplit_step(runs):
     r0, r1 = runs["fsdp-micro4"]
     assert_as_unsplit(r0, r1)
     assert r0["micro"] == [4] * 4          # 4 micro-batches of 16, each reduce-scattered
+    assert r0["infer_equal"] and r1["infer_equal"]   # Guard.infer: the batch whole on each rank
 
 
 @pytest.mark.parametrize("where", ["backward", "forward"])
