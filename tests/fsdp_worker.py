@@ -26,7 +26,7 @@ from memguard import Guard
 D, H, E = 16, 64, 8
 STEPS, PER_RANK = 4, 16
 
-#: name -> (engine, micro_batch, oom rank, oom step, where, sync_collectives)
+#: name -> (engine, micro_batch, rank the error fires on, its step, where, sync_collectives)
 SCENARIOS = {
     "fsdp-micro4": ("fsdp", 4, -1, -1, "", "auto"),
     "fsdp-oom-backward": ("fsdp", "auto", 1, 1, "backward", "always"),
@@ -34,6 +34,9 @@ SCENARIOS = {
     "fsdp-oom-first-step": ("fsdp", "auto", 1, 0, "backward", "auto"),
     "ddp-gather-oom": ("ddp-gather", "auto", 0, 1, "gather", "always"),
     "ddp-gather-oom-auto": ("ddp-gather", "auto", 0, 0, "gather", "auto"),
+    # every rank interrupted inside backward at step 1, and its loss raising at
+    # step 2: each step rolled back (FSDP2's state reset) and redone by the script
+    "fsdp-interrupted": ("fsdp", 4, "all", 1, "backward", "auto"),
     # last: memory calm, so not armed: rank 1 stops the job at once
     "fsdp-oom-calm": ("fsdp", "auto", 1, 2, "backward", "auto"),
 }
@@ -46,13 +49,23 @@ class Trip:
         self.rank, self.step, self.where = rank, step, where
         self.now = -1          # the step running
         self.fired = False
+        self.redone = 0        # steps the script redid
 
     def due(self, where: str) -> bool:
         if self.fired or where != self.where or self.now != self.step or \
-                dist.get_rank() != self.rank:
+                self.rank not in ("all", dist.get_rank()):
             return False
         self.fired = True
         return True
+
+    def error(self, where: str) -> BaseException:
+        """What fires: an out-of-memory error on one rank; on every rank a
+        Ctrl-C inside backward, then (a step later) a loss that raises."""
+        if self.rank != "all":
+            return torch.OutOfMemoryError(f"injected: out of memory in {where}")
+        if self.step == STEPS - 2:
+            return ValueError("injected: a loss that raises")
+        return KeyboardInterrupt()
 
 
 class _Backward(torch.autograd.Function):
@@ -64,7 +77,7 @@ class _Backward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.trip is not None and ctx.trip.due("backward"):
-            raise torch.OutOfMemoryError("injected: out of memory in backward")
+            raise ctx.trip.error("backward")
         return g, None
 
 
@@ -77,7 +90,7 @@ class Tripwire(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.trip is not None and self.trip.due("forward"):
-            raise torch.OutOfMemoryError("injected: out of memory in forward")
+            raise self.trip.error("forward")
         return _Backward.apply(x, self.trip)
 
 
@@ -131,6 +144,21 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
 
 
+def _step_redone(guard, trip: Trip, batch, loss_fn, opt):
+    """A guarded step; where every rank was interrupted in it, or its loss
+    raised, the script redoes it (the next, at step + 1, is a loss raising
+    in forward)."""
+    try:
+        return guard.step(batch, loss_fn, opt)
+    except (KeyboardInterrupt, ValueError) as exc:
+        if trip.rank != "all":
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            trip.step, trip.where, trip.fired = STEPS - 2, "forward", False
+        trip.redone += 1
+        return guard.step(batch, loss_fn, opt)
+
+
 def run(name: str, out: str) -> bool:
     """One scenario; whether it ended without an error."""
     engine, micro, oom_rank, oom_step, where, sync = SCENARIOS[name]
@@ -161,7 +189,7 @@ def run(name: str, out: str) -> bool:
         try:
             for s in range(STEPS):
                 trip.now = s
-                res = guard.step((x[s], y[s]), step_loss, opt)
+                res = _step_redone(guard, trip, (x[s], y[s]), step_loss, opt)
                 rec["micro"].append(res.micro_batch)
                 rec["tried"].append(res.tried)
                 rec["armed"].append(guard._peers.armed)
@@ -172,7 +200,7 @@ def run(name: str, out: str) -> bool:
             rec["error"] = f"{type(exc).__name__}: {exc}"
     rec["seconds"] = time.perf_counter() - t0
     rank = int(os.environ["RANK"])
-    rec["fired"] = trip.fired
+    rec["fired"], rec["redone"] = trip.fired, trip.redone
     rec["state"] = {k: local(p) for k, p in model.state_dict().items()}
     rec["reference"] = {k: local(p) for k, p in ref.state_dict().items()}
     os.makedirs(os.path.join(out, name), exist_ok=True)

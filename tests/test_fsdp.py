@@ -105,6 +105,15 @@ def test_an_oom_before_a_losss_all_gather_is_redone_on_both(runs, name):
     assert r0["tried"][step] == [16]
 
 
+def test_steps_interrupted_or_raising_on_every_rank_roll_back_and_redo_alike(runs):
+    """A Ctrl-C inside every rank's backward, then a loss raising in every
+    rank's forward: each step is rolled back (FSDP2's state reset), the
+    script redoes it, and training ends as the uninterrupted run."""
+    r0, r1 = runs["fsdp-interrupted"]
+    assert r0["redone"] == r1["redone"] == 2
+    assert_as_unsplit(r0, r1)
+
+
 def test_an_oom_while_calm_stops_every_rank_at_once_naming_the_collective(runs):
     """Memory calm: the agreement is not armed (no vote per collective), so
     an out-of-memory error between FSDP2's collectives cannot be redone.
