@@ -85,6 +85,16 @@ def test_an_oom_inside_one_ranks_fsdp2_pass_is_redone_on_both(runs, where):
     assert r0["tried"][step] == [16] and r0["micro"][step] == 8
 
 
+def test_an_oom_in_one_ranks_evaluation_is_redone_on_both(runs):
+    """Guard.infer under FSDP2: rank 1 runs out of memory in its forward
+    (between all-gathers); both ranks redo the micro-batch at half the size,
+    so they run the same forwards, and the outputs are the plain forward's."""
+    r0, r1 = runs["fsdp-infer-oom"]
+    assert r1["fired"] and not r0["fired"]
+    assert r0["infer_equal"] and r1["infer_equal"]
+    assert r0["infer_changes"] == r1["infer_changes"] == 1
+
+
 def test_the_first_step_is_armed_by_default(runs):
     """Before the peak model knows a size, the agreement is armed: an
     out-of-memory error in the first step's backward is redone."""

@@ -141,7 +141,7 @@ class Peers:
         # the votes' tensors, made once (for every parameter, whether or not
         # it trains now): a vote after an out-of-memory error must not
         # allocate under the budget that was just exhausted
-        width = 2 + (len(list(self.ddp.parameters())) if self.ddp is not None else 0)
+        width = max(4, 2 + (len(list(self.ddp.parameters())) if self.ddp is not None else 0))
         self._host = torch.zeros(width, dtype=torch.int64)
         self._wire = self._host if self.device.type == "cpu" else \
             torch.zeros(width, dtype=torch.int64, device=self.device)
@@ -170,6 +170,8 @@ class Peers:
     def agree(self, values: list[int]) -> list[int]:
         """The element-wise minimum of ``values`` over the ranks, through
         tensors made in advance (nothing is allocated)."""
+        if self.world == 1:        # FSDP2 on one rank: nobody to agree with
+            return list(values)
         k, staged = len(values), self._wire is not self._host
         host, wire = self._host[:k], self._wire[:k]
         host.numpy()[:] = values
@@ -238,11 +240,16 @@ class Peers:
             self.inside = bool(self.inside) or self._attempt.issued > 0
 
     def stranded(self, exc: BaseException) -> StrandedCollective | None:
-        """After this rank ran out of memory: the error to stop with where
-        the others may wait in a collective it cannot join (the step was not
-        armed and its attempts issue collectives, or the error came from
-        inside one); ``None`` where a vote reaches them."""
-        a = self._attempt
+        """After this rank ran out of memory in a step: the error to stop
+        with where the others may wait in a collective it cannot join (see
+        :meth:`stranded_by`)."""
+        return self.stranded_by(self._attempt)
+
+    def stranded_by(self, a: Attempt | None) -> StrandedCollective | None:
+        """After this rank ran out of memory in attempt ``a``: the error to
+        stop with where the others may wait in a collective it cannot join
+        (the attempt was not armed and attempts issue collectives, or the
+        error came from inside one); ``None`` where a vote reaches them."""
         if a is None or self.world < 2:
             return None
         if a.failed_inside:

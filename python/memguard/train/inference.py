@@ -18,7 +18,9 @@ on past the budget, as code outside a guarded step does
 (:mod:`memguard.train.overruns`): an inference the plain loop would finish
 is never ended by memguard.
 
-Under FSDP2 across ranks the batch runs whole (see :func:`_sharded`).
+Under FSDP2 across ranks every rank must run the same forwards (each
+all-gathers): the ranks agree on one size, and redo a micro-batch together
+(:func:`_infer_agreed`).
 """
 from __future__ import annotations
 
@@ -37,9 +39,12 @@ from memguard.memory.room import WORKING_SET_FACTOR, WORKING_SET_SLACK
 from memguard.telemetry.events import Event
 from memguard.telemetry.samples import Level
 from memguard.train import batch as _batch
+from memguard.train import collectives
 from memguard.train import outputs as _outputs
-from memguard.train.distributed import fsdp2_roots
+from memguard.train.collectives import Attempt
+from memguard.train.distributed import PeerOOM, Peers, fsdp2_roots
 from memguard.train.peaks import PeakMeter
+from memguard.train.plan import TIGHT_SHARE
 from memguard.train.step import gave_up
 
 if TYPE_CHECKING:
@@ -146,6 +151,16 @@ class InferencePlan:
         self._size, self._floor = 0, None   # the next micro-batch is metered
         return int(self.planner.oom(micro) or 0)
 
+    def tight(self, n: int, micro: int) -> bool:
+        """Whether memory is tight for an inference of ``n`` samples at
+        ``micro`` (the rule of :meth:`memguard.train.plan.Plan.tight`)."""
+        st = self.planner.state()
+        if micro < n or st["ooms"]:
+            return True
+        peak = int(self.planner.predict(micro) or 0)
+        budget = int(st["budget_bytes"])
+        return peak == 0 or bool(budget) and peak > TIGHT_SHARE * budget
+
     def _meter(self, batch: Any) -> None:
         """Meter the next micro-batch's peak, from what its source holds now."""
         self._floor = self.peak.start(batch)
@@ -184,9 +199,9 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
     the outputs joined by :func:`memguard.train.outputs.join`."""
     n = _batch.checked_size(batch)
     _outputs.check_combine(combine)
-    if _sharded(guard):
-        with torch.no_grad():
-            return fn(batch)
+    peers = _sharded_peers(guard)
+    if peers is not None:
+        return _infer_agreed(guard, peers, batch, fn, combine, n)
     plan, sizes = guard.inference, guard.config.sizes
     start, micro, parts, outs, counts, tried = 0, 0, [], [], [], []
     refused, past = _refusals(), False      # past: served past memguard's budget
@@ -228,14 +243,90 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
     return _outputs.join(outs, counts, combine)
 
 
-def _sharded(guard: Guard) -> bool:
-    """Whether the guard's model is sharded by FSDP2 across ranks: each
-    forward all-gathers, so every rank must run as many as the others, and
-    the batch runs whole, as the plain loop runs it (a split agreed among
-    the ranks is not built yet)."""
+def _sharded_peers(guard: Guard) -> Peers | None:
+    """The guard's ranks where its model is sharded by FSDP2 across them:
+    each forward all-gathers, so every rank must run as many as the others."""
     dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
-        and bool(fsdp2_roots(guard.model))
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and fsdp2_roots(guard.model)):
+        return None
+    return guard._peers_for_step()
+
+
+def _infer_agreed(guard: Guard, peers: Peers, batch: Any, fn: Callable[[Any], Any],
+                  combine: Any, n: int) -> Any:
+    """:func:`infer` where the ranks must run the same forwards (FSDP2): one
+    size for all (the smallest any rank plans), a vote after each
+    micro-batch, and, where any rank finds memory tight, a vote before each
+    collective; after an out-of-memory error on any rank every rank redoes
+    that micro-batch at the agreed smaller size. Ranks whose batches differ
+    in size run them whole, as the plain loop does."""
+    plan, sizes = guard.inference, guard.config.sizes
+    planned, _ = plan.begin(guard, batch, n, first=True)
+    micro, least, most, calm = peers.agree([planned, n, -n, 0 if plan.tight(n, planned) else 1])
+    if least != -most:
+        with torch.no_grad():
+            return fn(batch)
+    armed = not calm
+    start, outs, counts, tried = 0, [], [], []
+    refused, past = _refusals(), False      # past: served past memguard's budget
+
+    def before(_: str) -> None:
+        vote = peers.vote(peers.OK, micro)
+        if vote.outcome != "ok":
+            raise PeerOOM(vote.next, micro)
+
+    with torch.no_grad(), contextlib.closing(arena.strict), plan.cache_bound(guard):
+        while start < n:
+            stop = start + sizes.of(n - start, micro)[0]
+            attempt = Attempt(before if armed else None)
+            try:
+                with collectives.attempt_of(attempt), \
+                        contextlib.nullcontext() if past else arena.strict():
+                    out = fn(_batch.slice_(batch, start, stop))
+                nxt = plan.begin(guard, batch, n, first=False)[0] if stop < n else micro
+                vote = peers.vote(peers.OK, nxt)
+                if vote.outcome != "ok":             # another rank failed this micro-batch
+                    raise PeerOOM(vote.next, micro)
+            except PeerOOM as exc:
+                nxt, peer = exc.next, True
+                if nxt:
+                    plan.planner.agree(nxt, failed=micro)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                nxt = plan.oom(guard, micro)
+                if not nxt and not past and _refusals() > refused:
+                    nxt, past = micro, True  # memguard's budget, not the machine: serve it
+                stranded = None if armed else peers.stranded_by(attempt)
+                if stranded is not None:
+                    peers.abort()
+                    raise stranded from exc
+                own, nxt, peer = nxt, peers.vote(peers.OOM, nxt).next, False
+                if not nxt:
+                    raise gave_up(tried + [micro], guard.config.min_micro_batch, exc,
+                                  inference=True) from exc
+                if nxt != own:
+                    plan.planner.agree(nxt)
+            else:
+                plan.end(stop - start)
+                outs.append(_batch.detach(out))
+                counts.append(stop - start)
+                if vote.next != nxt:
+                    plan.planner.agree(vote.next)
+                start, micro = stop, vote.next
+                continue
+            tried.append(micro)
+            if not nxt:
+                raise gave_up(tried, guard.config.min_micro_batch, None, inference=True)
+            guard.gc.relieve_oom()
+            guard.ooms_recovered += 1
+            _changed(guard, n, start, failed=micro)
+            log.warning("memguard: an inference ran out of memory at micro-batch %d%s; every "
+                        "rank goes on at %d from sample %d of %d", micro,
+                        " (on another rank)" if peer else "", nxt, start, n)
+            micro = nxt
+    return _outputs.join(outs, counts, combine)
 
 
 def _refusals() -> int:
