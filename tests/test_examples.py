@@ -6,6 +6,7 @@ step updates). Every example writes its summary with ``--summary-json``.
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -212,7 +213,11 @@ def test_dreams_lightning(tmp_path):
 
 def test_dreams_lightning_ddp_two_processes(tmp_path):
     """strategy="ddp" on 2 CPU processes (gloo): every rank runs the same
-    micro-batch plan and ends with the same parameters."""
+    micro-batch plan and ends with the same parameters. Lightning's launcher
+    starts rank 1 as rank 0's child, yet rank 0's samples (its callback's
+    memguard/workers metrics, logged at every step) count no child process
+    and no child's bytes: rank 1 is no worker of rank 0, and the example's
+    DataLoaders have none."""
     pytest.importorskip("lightning")
     s0 = run_example("dreams_lightning", tmp_path, "--devices", "2")
     s1 = json.loads((tmp_path / "dreams_lightning.json.rank1").read_text())
@@ -222,3 +227,7 @@ def test_dreams_lightning_ddp_two_processes(tmp_path):
     assert s0["micro_batches"] == s1["micro_batches"]
     assert s0["param_checksum"] == s1["param_checksum"]
     assert s0["val_loss"] == s1["val_loss"] > 0       # synchronised across the ranks
+    with open(tmp_path / "out" / "dreams" / "version_0" / "metrics.csv") as f:
+        steps = [r for r in csv.DictReader(f) if r["memguard/workers"]]
+    assert len(steps) == s0["steps"]
+    assert {(r["memguard/workers"], r["memguard/workers_mib"]) for r in steps} == {("0.0", "0.0")}

@@ -100,7 +100,7 @@ EXACT = [
      {"oom": 2, "oom_kill": 2}),
     ("tree/proc/4242/smaps_rollup", "rollup", 2, {"private_bytes": (1024 + 51200 + 2048) * KiB}),
     ("tree/proc/4244/smaps_rollup", "rollup", 2, {"private_bytes": 10240 * KiB}),
-    ("tree/proc/self/task/100/children", "pids", 2, {"pids": [4242, 4243]}),
+    ("tree/proc/self/task/100/children", "pids", 2, {"pids": [4242, 4243, 4250]}),
     ("tree/proc/self/task/101/children", "pids", 2, {"pids": []}),
     ("v1_parent_limit/cgroup/memory/batch/job7/memory.oom_control", "cgevents", 1,
      {"oom": None, "oom_kill": None}),
@@ -504,8 +504,10 @@ SCENARIOS = {
     },
 }
 
-# v1_hybrid with a process tree: two children read, a third listed but gone
+# v1_hybrid with a process tree: two children read, a third listed but gone,
+# and a rank of the same job (LOCAL_RANK=1, 4250) with a worker (4251) of its own
 _TREE_KIDS = (1024 + 51200 + 2048 + 10240) * KiB
+_TREE_RANK = (1024 + 102400 + 2048 + 10240) * KiB
 SCENARIOS["tree"] = {**SCENARIOS["v1_hybrid"], "children": 2, "children_bytes": _TREE_KIDS,
                      "footprint_bytes": 25600 * PAGE + 2048 * KiB + _TREE_KIDS}
 
@@ -536,7 +538,9 @@ def _sampler(scenario: str, **kw) -> _C.Sampler:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_sample_now_on_fixture_tree(scenario):
+def test_sample_now_on_fixture_tree(scenario, monkeypatch):
+    for name in ("LOCAL_RANK", "RANK"):        # this process is no rank
+        monkeypatch.delenv(name, raising=False)
     got = _sampler(scenario).sample_now()
     assert set(got) == set(_C.sample_fields())
     assert got["sample_cost_us"] >= 0
@@ -544,6 +548,40 @@ def test_sample_now_on_fixture_tree(scenario):
     # the arena's counters are this process's, not the fixture tree's
     got = {k: v for k, v in got.items() if not k.startswith("arena_")}
     assert_same(got, {**FIRST_SAMPLE, **SCENARIOS[scenario]})
+
+
+@pytest.mark.parametrize("mine", ["0", "1"])
+def test_the_tree_leaves_out_other_ranks_of_the_job(monkeypatch, mine):
+    """4250's environment names LOCAL_RANK=1: seen from rank 0 it is another
+    rank of the job (Lightning's launcher started it), left out with its
+    worker; seen from rank 1, whose environment names 1 too, both are its own
+    workers."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", mine)
+    got = _sampler("tree").sample_now()
+    assert (got["children"], got["children_bytes"]) == \
+        ((2, _TREE_KIDS) if mine == "0" else (4, _TREE_KIDS + _TREE_RANK))
+
+
+def test_a_running_sampler_notes_a_rank_named_after_its_start(monkeypatch, restore_options):
+    """Lightning's launcher names rank 0's LOCAL_RANK after the process
+    started (and memguard with it): the callback thread notes the
+    environment whenever it wakes (here at every sample), so the sampler
+    thread, which never reads it, judges by the new value from then on."""
+    from memguard.telemetry import Sampler
+
+    from .conftest import wait_for
+
+    _C.option_set("slow_interval_ms", "5")     # the tree is re-read at every sample
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    s = Sampler(interval_ms=10, proc_root=FIXTURES / "tree" / "proc",
+                cgroup_root=FIXTURES / "tree" / "cgroup")
+    s.on_sample(lambda _: None)
+    with s:
+        assert wait_for(lambda: s.latest() is not None and s.latest().children == 2)
+        monkeypatch.setenv("LOCAL_RANK", "1")  # 4250 and its worker are this rank's own
+        assert wait_for(lambda: s.latest().children == 4)
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -584,6 +585,61 @@ def test_the_footprint_counts_forked_children_once() -> None:
             os.close(w)
             os.waitpid(pid, 0)
     assert memguard.Sampler().sample_now().children == 0
+
+
+# a process holding MiB of its own (after forking a worker that holds as
+# much, when asked), saying "r" once touched, until its stdin closes
+_HOLD = """import os, sys
+if {fork}:
+    os.fork()
+own = bytearray({mib} << 20)
+for i in range(0, len(own), 4096):
+    own[i] = 1
+os.write(1, b"r")
+sys.stdin.read()
+"""
+
+
+def _python_holding(mib: int, env: dict, fork: bool = False) -> subprocess.Popen:
+    """A python started with ``env`` added to this process's environment,
+    once it (and the worker it forks) hold ``mib`` MiB each."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLD.format(mib=mib, fork=fork)],
+                         env={**os.environ, **env}, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+    assert p.stdout.read(2 if fork else 1) == (b"rr" if fork else b"r")
+    return p
+
+
+def test_other_ranks_of_the_job_are_not_children(monkeypatch) -> None:
+    """Rank 0 of a job whose launcher (Lightning's) started rank 1 as its
+    child with LOCAL_RANK=1: rank 1 and its own worker are left out; a
+    forked worker (this process's environment as at exec) and a spawned one
+    (LOCAL_RANK=0, this process's own) are counted."""
+    monkeypatch.setenv("LOCAL_RANK", "0")       # as the launcher sets it in rank 0
+    monkeypatch.delenv("RANK", raising=False)
+    kids = _children_with(1, 48)                # first: it would hold the pipes below
+    procs = []
+    try:
+        procs.append(_python_holding(48, {"LOCAL_RANK": "1"}, fork=True))   # rank 1
+        procs.append(_python_holding(48, {"LOCAL_RANK": "0"}))   # a spawned worker
+        deadline = time.monotonic() + 20
+        while True:                             # until the forked worker has touched its own
+            s = memguard.Sampler().sample_now()
+            if s.children_bytes >= 96 * MiB or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert s.children == 2, "rank 1 (or its worker) was counted, or a worker was not"
+        # the two workers' 48 MiB each and a little of their own, not rank 1's 2 x 48 MiB
+        assert 96 * MiB <= s.children_bytes < (96 + 2 * 40) * MiB
+        assert s.footprint_bytes == s.rss_bytes + (s.swap_bytes or 0) + s.children_bytes
+    finally:
+        for pid, w in kids:
+            os.write(w, b"x")
+            os.close(w)
+            os.waitpid(pid, 0)
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=30)
 
 
 def test_dataloader_workers_are_in_the_footprint() -> None:

@@ -122,7 +122,7 @@ typedef struct mgi_slow {
     mgi_cgevents_t cgevents;
     uint64_t rss_at, cg_usage_at;   /* at the last refresh */
     int have_tree;                  /* the children were read */
-    uint32_t children;              /* processes below this one */
+    uint32_t children;              /* processes below this one, other ranks left out */
     uint64_t children_bytes;        /* their private and swapped bytes */
     uint64_t move_trigger;          /* bytes of movement forcing a refresh */
 } mgi_slow_t;
@@ -173,6 +173,38 @@ void mgi_sample_deltas(const mg_sample_t *prev, mg_sample_t *cur);
 /* Processes of a tree that are read at most (the children of the process
  * and theirs: DataLoader workers). */
 #define MGI_TREE_MAX 64
+
+/* ---- ranks of the same job (ranks.c) --------------------------------------
+ * A descendant whose environment names another LOCAL_RANK or RANK than this
+ * process is a rank of the same distributed job, not a worker: the process
+ * tree leaves it out, with its own descendants. */
+#define MGI_RANK_KEYS 2 /* LOCAL_RANK, RANK */
+#define MGI_NO_RANK (-1)
+typedef struct mgi_ranks {
+    int64_t v[MGI_RANK_KEYS]; /* MGI_NO_RANK: not named, or not a rank number */
+} mgi_ranks_t;
+
+/* An environment block (/proc/PID/environ: "NAME=value" entries, each ended
+ * by a NUL), fed in pieces of any size. ranks holds the first rank number
+ * each key is given by an entry whose NUL was seen: an entry cut off at the
+ * end of what was read gives nothing (its number may be cut too). */
+typedef struct mgi_envscan {
+    mgi_ranks_t ranks;
+    size_t pos;      /* bytes of the current entry's name seen */
+    unsigned match;  /* bits of the keys its name may still be */
+    int key;         /* the key whose value is being read, or -1 */
+    int digits;      /* of the value so far; -1: not a rank number */
+    int64_t value;
+} mgi_envscan_t;
+void mgi_envscan_init(mgi_envscan_t *e);
+void mgi_envscan_feed(mgi_envscan_t *e, const char *buf, size_t len);
+/* Both keys are known: the rest of the block changes nothing. */
+int mgi_envscan_done(const mgi_envscan_t *e);
+/* A whole block at once. */
+void mgi_parse_ranks(const char *buf, size_t len, mgi_ranks_t *out);
+/* Whether a process whose environment names @p theirs is another rank of
+ * this process's job (as mg_ranks_note last saw this process's own). */
+int mgi_ranks_other(const mgi_ranks_t *theirs);
 
 /* Fault the process's swapped-out pages back in (the layer's swapin.c):
  * every readable mapping of <proc_root>/self/smaps that holds swap. @p

@@ -171,6 +171,7 @@ int mg_sampler_create(const mg_sampler_config_t *cfg, mg_sampler_t **out)
         free(s);
         return EINVAL;
     }
+    mg_ranks_note(); /* on the caller's thread: the sampling thread never reads it */
     atomic_init(&s->budget_bytes, c.budget_bytes);
     atomic_init(&s->live, c.live != 0);
     atomic_init(&s->notify, 0);

@@ -1,6 +1,9 @@
 /* memguard._C.Sampler: the C sampler behind a Python object. Every call
  * that may block (start, stop, sample_now, wait) releases the GIL; nothing
- * here calls back into Python from the sampler thread. */
+ * here calls back into Python from the sampler thread. Those calls note the
+ * process's ranks first (mg_ranks_note), holding the GIL, which os.environ's
+ * writers hold too: a launcher names them after the sampler's start, and
+ * the callback thread enters wait() at least once a second. */
 #include <errno.h>
 #include <limits.h>
 
@@ -88,6 +91,7 @@ static PyObject *Sampler_start(SamplerObject *self, PyObject *unused)
     int rc;
     if (!ready(self))
         return NULL;
+    mg_ranks_note();
     Py_BEGIN_ALLOW_THREADS
     rc = mg_sampler_start(self->s);
     Py_END_ALLOW_THREADS
@@ -122,6 +126,7 @@ static PyObject *Sampler_sample_now(SamplerObject *self, PyObject *unused)
     int rc;
     if (!ready(self))
         return NULL;
+    mg_ranks_note();
     Py_BEGIN_ALLOW_THREADS
     rc = mg_sampler_sample_now(self->s, &s);
     Py_END_ALLOW_THREADS
@@ -184,6 +189,7 @@ static PyObject *Sampler_wait(SamplerObject *self, PyObject *arg)
         return NULL;
     /* negative: forever; NaN or beyond int milliseconds: as long as poll allows */
     int ms = timeout < 0 ? -1 : !(timeout < INT_MAX / 1000.0) ? INT_MAX : (int)(timeout * 1000);
+    mg_ranks_note();
     Py_BEGIN_ALLOW_THREADS
     rc = mg_sampler_wait(self->s, ms, &wake);
     Py_END_ALLOW_THREADS

@@ -128,7 +128,7 @@ typedef struct mg_sample {
     /* the process tree and the live budget (version 4) */
     uint64_t footprint_bytes;  /**< rss + swap, plus the children's private and swapped bytes */
     uint64_t children_bytes;   /**< the children's part of footprint_bytes */
-    uint32_t children;         /**< processes below this one (DataLoader workers) */
+    uint32_t children;         /**< processes below this one (workers; see mg_ranks_note) */
     int32_t budget_source;     /**< MG_BUDGET_SRC_* behind budget_bytes */
     uint64_t user_budget_bytes; /**< the budget asked for (0: none, or "auto") */
 

@@ -174,6 +174,18 @@ MG_API int mg_sampler_cpu_ns(const mg_sampler_t *s, uint64_t *out);
 MG_API void mg_sampler_set_budget(mg_sampler_t *s, uint64_t budget_bytes);
 /** Judge against the live budget (capped by the budget set) from the next sample, or not. */
 MG_API void mg_sampler_set_live(mg_sampler_t *s, int live);
+/**
+ * Note this process's LOCAL_RANK and RANK as its environment names them
+ * now. Samples leave out of the process tree (children, children_bytes)
+ * every descendant whose environment (/proc/PID/environ) names another
+ * value of either, with its own descendants: a rank of the same
+ * distributed job that this process started (Lightning's subprocess
+ * launcher), not a DataLoader worker. The sampling thread never reads the
+ * environment (setenv may move it under a reader): mg_sampler_create()
+ * notes it, and an embedding calls this again wherever it may read the
+ * environment, since a launcher may name the rank after the start.
+ */
+MG_API void mg_ranks_note(void);
 
 /** A CUDA device's allocator counters, as pushed from a step boundary. */
 typedef struct mg_cuda_counters {

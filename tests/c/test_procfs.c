@@ -604,9 +604,10 @@ static void test_tree_files(void)
     CHECK_EQ(load("tree/proc/4244/smaps_rollup", K_ROLLUP, 2, &o), 0);
     CHECK_EQ(o.rollup, 10240 * KiB);
     CHECK_EQ(load("tree/proc/self/task/100/children", K_PIDS, 2, &o), 0);
-    CHECK_EQ(o.n_pids, 2);
+    CHECK_EQ(o.n_pids, 3);
     CHECK_EQ(o.pids[0], 4242);
     CHECK_EQ(o.pids[1], 4243);
+    CHECK_EQ(o.pids[2], 4250);
     CHECK_EQ(load("tree/proc/self/task/101/children", K_PIDS, 2, &o), 0);
     CHECK_EQ(o.n_pids, 0);
     /* appended to what is there, none twice, at most cap */
@@ -623,6 +624,95 @@ static void test_tree_files(void)
     CHECK_EQ(n, 1);
 }
 
+/* The ranks an environment block names, fed whole and in every two pieces
+ * (and byte by byte): the same either way. */
+static void check_block(const char *block, size_t len, int64_t local_rank, int64_t rank)
+{
+    mgi_envscan_t e;
+    char *buf = malloc(len ? len : 1); /* exactly sized: a read past it is an ASan report */
+    memcpy(buf, block, len);
+    for (size_t cut = 0; cut <= len; cut++) {
+        mgi_envscan_init(&e);
+        mgi_envscan_feed(&e, buf, cut);
+        mgi_envscan_feed(&e, buf + cut, len - cut);
+        CHECK_EQ(e.ranks.v[0], local_rank);
+        CHECK_EQ(e.ranks.v[1], rank);
+    }
+    mgi_envscan_init(&e);
+    for (size_t i = 0; i < len; i++)
+        mgi_envscan_feed(&e, buf + i, 1);
+    CHECK_EQ(e.ranks.v[0], local_rank);
+    CHECK_EQ(e.ranks.v[1], rank);
+    free(buf);
+}
+
+#define BLOCK(text) text, sizeof(text) - 1
+
+static void test_environ_ranks(void)
+{
+    check_block(BLOCK("HOME=/h\0LOCAL_RANK=1\0RANK=3\0"), 1, 3);
+    check_block(BLOCK("RANK=12\0PATH=/b\0"), MGI_NO_RANK, 12);
+    check_block(BLOCK(""), MGI_NO_RANK, MGI_NO_RANK);
+    /* names that only begin or end like a key */
+    check_block(BLOCK("LOCAL_RANKS=3\0RANK_SEED=2\0XRANK=5\0LOCAL_RAN=4\0RANK\0"), MGI_NO_RANK,
+                MGI_NO_RANK);
+    /* values that are no rank number: empty, signed, spaced, too long */
+    check_block(BLOCK("LOCAL_RANK=\0RANK=-1\0"), MGI_NO_RANK, MGI_NO_RANK);
+    check_block(BLOCK("LOCAL_RANK= 1\0RANK=1234567890\0"), MGI_NO_RANK, MGI_NO_RANK);
+    check_block(BLOCK("LOCAL_RANK=1x\0RANK=123456789\0"), MGI_NO_RANK, 123456789);
+    /* the first of two, as getenv gives it; a bad one does not hide a good one */
+    check_block(BLOCK("LOCAL_RANK=2\0LOCAL_RANK=5\0RANK=x\0RANK=7\0"), 2, 7);
+    /* an entry whose NUL was not read may be cut: it gives nothing */
+    check_block(BLOCK("RANK=1\0LOCAL_RANK=12"), MGI_NO_RANK, 1);
+    check_block(BLOCK("LOCAL_RANK=1\0=\0\0\0RANK=0\0"), 1, 0);
+
+    mgi_ranks_t r;
+    mgi_parse_ranks(BLOCK("LOCAL_RANK=1\0"), &r);
+    CHECK_EQ(r.v[0], 1);
+
+    /* the fixture tree: a worker with near-miss names, a rank and its worker */
+    char path[1024];
+    size_t len;
+    static const struct {
+        const char *pid;
+        int64_t local_rank;
+    } files[] = {{"4242", MGI_NO_RANK}, {"4250", 1}, {"4251", 1}};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+        snprintf(path, sizeof(path), "%s/tree/proc/%s/environ", fixtures, files[i].pid);
+        char *buf = mgt_slurp(path, &len);
+        CHECK(buf != NULL);
+        if (!buf)
+            continue;
+        check_block(buf, len, files[i].local_rank, MGI_NO_RANK);
+        free(buf);
+    }
+}
+
+/* Another rank is one that names a value this process does not have, as
+ * the environment last noted gave it. */
+static void test_other_ranks(void)
+{
+    mgi_ranks_t none = {{MGI_NO_RANK, MGI_NO_RANK}}, one = {{1, MGI_NO_RANK}};
+    mgi_ranks_t zero = {{0, MGI_NO_RANK}}, global = {{MGI_NO_RANK, 3}};
+    unsetenv("LOCAL_RANK");
+    unsetenv("RANK");
+    mg_ranks_note();
+    CHECK_EQ(mgi_ranks_other(&none), 0); /* a forked worker of a process without ranks */
+    CHECK_EQ(mgi_ranks_other(&one), 1);  /* Lightning's rank 1, seen from its launcher */
+    CHECK_EQ(mgi_ranks_other(&global), 1);
+    setenv("LOCAL_RANK", "0", 1);        /* rank 0 once the launcher named it */
+    CHECK_EQ(mgi_ranks_other(&zero), 1); /* not noted yet */
+    mg_ranks_note();
+    CHECK_EQ(mgi_ranks_other(&zero), 0); /* a worker it spawned */
+    CHECK_EQ(mgi_ranks_other(&none), 0); /* one it forked: its environment as at exec */
+    CHECK_EQ(mgi_ranks_other(&one), 1);
+    setenv("LOCAL_RANK", "x", 1);        /* no rank number: as if not named */
+    mg_ranks_note();
+    CHECK_EQ(mgi_ranks_other(&zero), 1);
+    unsetenv("LOCAL_RANK");
+    mg_ranks_note();
+}
+
 int main(int argc, char **argv)
 {
     mgt_begin();
@@ -635,6 +725,8 @@ int main(int argc, char **argv)
     RUN(test_cgroup_files);
     RUN(test_parse_double);
     RUN(test_tree_files);
+    RUN(test_environ_ranks);
+    RUN(test_other_ranks);
     RUN(test_bad_files);
     RUN(test_truncated_everywhere);
     RUN(test_corrupted_everywhere);

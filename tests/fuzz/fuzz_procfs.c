@@ -1,7 +1,7 @@
-/* libFuzzer target: every /proc and cgroup parser of csrc/core/procfs.c.
- * The first byte picks the parser, the rest is the file's content, copied
- * to a buffer of exactly its length (no terminator), so that a read past
- * `len` is an AddressSanitizer report. */
+/* libFuzzer target: every /proc and cgroup parser of csrc/core/procfs.c and
+ * the environment scanner of ranks.c. The first byte picks the parser, the
+ * rest is the file's content, copied to a buffer of exactly its length (no
+ * terminator), so that a read past `len` is an AddressSanitizer report. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,7 +9,20 @@
 #include "mgi.h"
 
 enum { STATM, STATUS, MEMINFO, VMSTAT, PSI, STAT, CGROUP, LIMIT, CGSTAT1, CGSTAT2,
-       CGEVENTS1, CGEVENTS2, ROLLUP, PIDS, FIND, N_PARSERS };
+       CGEVENTS1, CGEVENTS2, ROLLUP, PIDS, FIND, ENVIRON, N_PARSERS };
+
+/* An environment block names the same ranks fed whole or in two pieces. */
+static void scan_environ(const char *buf, size_t len)
+{
+    mgi_ranks_t whole;
+    mgi_envscan_t e;
+    mgi_parse_ranks(buf, len, &whole);
+    mgi_envscan_init(&e);
+    mgi_envscan_feed(&e, buf, len / 2);
+    mgi_envscan_feed(&e, buf + len / 2, len - len / 2);
+    if (memcmp(&whole, &e.ranks, sizeof(whole)) != 0)
+        abort();
+}
 
 static void parse(int which, const char *buf, size_t len)
 {
@@ -44,6 +57,7 @@ static void parse(int which, const char *buf, size_t len)
         (void)mgi_parse_pids(buf, len, pids, 8, &n, &why);
         break;
     }
+    case ENVIRON: scan_environ(buf, len); break;
     default: (void)mgi_find_u64(buf, len, "MemAvailable:", &u); break;
     }
 }

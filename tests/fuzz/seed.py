@@ -18,7 +18,7 @@ PROCFS = {"statm": 0, "status": 1, "meminfo": 2, "vmstat": 3, "memory.pressure":
           "memory.high": 7, "memory.limit_in_bytes": 7, "memory.swap.max": 7,
           "memory.current": 7, "memory.usage_in_bytes": 7, "memory.oom_control": 10,
           "memory.events": 11, "cgevents": 11, "smaps_rollup": 12, "rollup": 12,
-          "children": 13, "pids": 13}
+          "children": 13, "pids": 13, "environ": 15}
 BUDGETS = ["auto", " Auto ", "12GiB", "1.5G", "512MB", "75%", "12.5%", "100%", "0", "-1",
            "1", "4611686018427387904", "4611686018427387905", "99999999999999999999TiB",
            "1e3GiB", "nan", "0.0000000001%", "7.123456789012345678KiB", "16EiB", "4096TiB"]

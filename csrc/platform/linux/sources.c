@@ -329,18 +329,53 @@ static int add_children(const mgi_sources_t *src, const char *pid, uint32_t *pid
     return 0;
 }
 
+/* Environments are read this far at most (a few KiB is usual). */
+#define MGI_ENV_MAX (256 * 1024)
+
+/* Whether descendant @p pid is another rank of this process's job: its
+ * environment, read through buf, names another LOCAL_RANK or RANK. One it
+ * cannot read (gone, not ours) is no rank. */
+static int is_rank(const mgi_sources_t *src, uint32_t pid, char *buf)
+{
+    char path[MGI_PATH_MAX];
+    if (snprintf(path, sizeof(path), "%s/%u/environ", src->proc_root, pid) >= (int)sizeof(path))
+        return 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    mgi_envscan_t e;
+    mgi_envscan_init(&e);
+    size_t seen = 0;
+    while (seen < MGI_ENV_MAX && !mgi_envscan_done(&e)) {
+        ssize_t got = read(fd, buf, MGI_READ_BUF);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+        mgi_envscan_feed(&e, buf, (size_t)got);
+        seen += (size_t)got;
+    }
+    close(fd);
+    return mgi_ranks_other(&e.ranks);
+}
+
 /* The process tree below this one (DataLoader workers and theirs): how many
  * processes, and the bytes they hold alone (private pages and their share
- * of swap). What they share with this process is in its RSS already. */
+ * of swap). What they share with this process is in its RSS already.
+ * Other ranks of the job this process started are left out, with theirs. */
 static void read_tree(mgi_sources_t *src, char *buf)
 {
     mgi_slow_t *c = &src->slow;
     uint32_t pids[MGI_TREE_MAX];
+    unsigned char rank[MGI_TREE_MAX];
     char pid[16], path[MGI_PATH_MAX];
     size_t n = 0, len;
     const char *why;
     c->have_tree = add_children(src, "self", pids, &n, buf) == 0;
     for (size_t i = 0; i < n; i++) { /* n grows as grandchildren are found */
+        rank[i] = (unsigned char)is_rank(src, pids[i], buf);
+        if (rank[i])
+            continue; /* its tree is its own */
         snprintf(pid, sizeof(pid), "%u", pids[i]);
         (void)add_children(src, pid, pids, &n, buf);
     }
@@ -348,7 +383,8 @@ static void read_tree(mgi_sources_t *src, char *buf)
     c->children_bytes = 0;
     for (size_t i = 0; i < n; i++) {
         uint64_t v;
-        if (snprintf(path, sizeof(path), "%s/%u/smaps_rollup", src->proc_root, pids[i]) >=
+        if (rank[i] ||
+            snprintf(path, sizeof(path), "%s/%u/smaps_rollup", src->proc_root, pids[i]) >=
                 (int)sizeof(path) ||
             mgi_read_path(path, buf, MGI_READ_BUF, &len) != 0 ||
             mgi_parse_rollup(buf, len, &v, &why) != 0)

@@ -119,7 +119,8 @@ class Sample:
     cuda_age_ns: int | None = None
     cuda_budget_used_fraction: float | None = None
     # what the budget bounds: the process's resident and swapped bytes, and
-    # its children's own (DataLoader workers); where the budget came from
+    # its children's own (DataLoader workers; other ranks of the job left
+    # out); where the budget came from
     footprint_bytes: int | None = None
     children: int | None = None
     children_bytes: int | None = None

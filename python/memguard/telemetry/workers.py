@@ -2,8 +2,10 @@
 many, what they hold alone, and what fewer of them would give back.
 
 The sampler measures the whole tree below the process (``Sample.children``
-and ``Sample.children_bytes``, their private and swapped-out bytes) and
-counts it in ``footprint_bytes``; these helpers keep the process's own part
+and ``Sample.children_bytes``, their private and swapped-out bytes), but
+for other ranks of the same distributed job started below it (Lightning's
+``strategy="ddp"``: rank 0 starts the others) and theirs, and counts it in
+``footprint_bytes``; these helpers keep the process's own part
 and the workers' apart for the report, ``memguard watch`` and loggers.
 """
 from __future__ import annotations
