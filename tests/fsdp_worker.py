@@ -34,6 +34,9 @@ SCENARIOS = {
     "fsdp-oom-first-step": ("fsdp", "auto", 1, 0, "backward", "auto"),
     "ddp-gather-oom": ("ddp-gather", "auto", 0, 1, "gather", "always"),
     "ddp-gather-oom-auto": ("ddp-gather", "auto", 0, 0, "gather", "auto"),
+    # calm (not armed), out of memory after the attempt's last collective:
+    # the others are at the step's vote, so it is redone all the same
+    "ddp-gather-oom-calm-backward": ("ddp-gather", "auto", 0, 2, "backward", "auto"),
     # an evaluation (step -2: after training) running out in rank 1's forward
     "fsdp-infer-oom": ("fsdp", "auto", 1, -2, "forward", "auto"),
     # every rank interrupted inside backward at step 1, and its loss raising at

@@ -85,6 +85,17 @@ def test_an_oom_inside_one_ranks_fsdp2_pass_is_redone_on_both(runs, where):
     assert r0["tried"][step] == [16] and r0["micro"][step] == 8
 
 
+def test_an_oom_after_the_last_collective_is_redone_while_calm(runs):
+    """Memory calm, so no vote before each collective; rank 0 runs out of
+    memory in backward, after the step's only all_gather: every collective
+    of the attempt was issued (as many as each attempt so far issued), so
+    the other rank is at the step's vote, which the failed rank joins."""
+    r0, r1 = runs["ddp-gather-oom-calm-backward"]
+    assert r0["fired"] and r0["armed"][2] is False
+    assert_as_unsplit(r0, r1)
+    assert r0["tried"][2] == [16]
+
+
 def test_an_oom_in_one_ranks_evaluation_is_redone_on_both(runs):
     """Guard.infer under FSDP2: rank 1 runs out of memory in its forward
     (between all-gathers); both ranks redo the micro-batch at half the size,

@@ -56,8 +56,11 @@ class Attempt:
     when ``vote`` is given (``vote(name)`` raises where another rank ran
     out of memory)."""
 
-    def __init__(self, vote: Callable[[str], None] | None) -> None:
+    def __init__(self, vote: Callable[[str], None] | None, expected: int | None = None) -> None:
         self.vote = vote
+        #: the collectives the attempt issues in all, where earlier attempts
+        #: said so (None: unknown)
+        self.expected = expected
         self.issued = 0              # collectives issued by this attempt
         self.last = ""               # the name of the last one
         self.failed_inside = ""      # one that ran out of memory after its vote

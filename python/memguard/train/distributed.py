@@ -137,6 +137,11 @@ class Peers:
         #: whether an attempt issued collectives (None: none has run yet)
         self.inside: bool | None = None
         self._attempt: Attempt | None = None
+        self._n_micro = 1
+        #: collectives per micro-batch, where every attempt so far issued
+        #: the same number per micro-batch (None: unknown or not steady)
+        self._per_micro: int | None = None
+        self._unsteady = False
         collectives.install()
         # the votes' tensors, made once (for every parameter, whether or not
         # it trains now): a vote after an out-of-memory error must not
@@ -220,13 +225,16 @@ class Peers:
         if self.ddp is not None:
             self._param_sync = self.ddp.require_forward_param_sync
 
-    def attempt(self, deferred: bool, vote: Any) -> contextlib.AbstractContextManager:
-        """The context an attempt's micro-batches run in: its collectives
-        counted, and voted before through ``vote(name)`` where the step is
-        :attr:`armed`; all of them under ``no_sync()`` when DDP's gradients
-        are all-reduced afterwards."""
+    def attempt(self, deferred: bool, vote: Any, n_micro: int) -> contextlib.AbstractContextManager:
+        """The context an attempt of ``n_micro`` micro-batches runs in: its
+        collectives counted, and voted before through ``vote(name)`` where
+        the step is :attr:`armed`; all of them under ``no_sync()`` when
+        DDP's gradients are all-reduced afterwards."""
         self._armed = self.ddp is not None and not deferred
-        self._attempt = Attempt(vote if self.armed else None)
+        per = self._per_micro
+        self._attempt = Attempt(vote if self.armed else None,
+                                None if per is None else per * n_micro)
+        self._n_micro = n_micro
         stack = contextlib.ExitStack()
         stack.enter_context(collectives.attempt_of(self._attempt))
         if self.ddp is not None and deferred:
@@ -235,9 +243,18 @@ class Peers:
 
     def attempt_done(self) -> None:
         """The attempt's micro-batches ran: whether attempts issue
-        collectives is known from now on."""
-        if self._attempt is not None:
-            self.inside = bool(self.inside) or self._attempt.issued > 0
+        collectives is known from now on, and how many each micro-batch
+        issues (while every attempt agrees)."""
+        a = self._attempt
+        if a is None:
+            return
+        self.inside = bool(self.inside) or a.issued > 0
+        per, rest = divmod(a.issued, self._n_micro)
+        if rest or self._unsteady or per != (self._per_micro if self._per_micro is not None
+                                             else per):
+            self._per_micro, self._unsteady = None, True    # attempts differ: never trusted
+        else:
+            self._per_micro = per
 
     def stranded(self, exc: BaseException) -> StrandedCollective | None:
         """After this rank ran out of memory in a step: the error to stop
@@ -254,6 +271,8 @@ class Peers:
             return None
         if a.failed_inside:
             where = f"inside torch.distributed.{a.failed_inside}, which the other ranks joined"
+        elif a.expected is not None and a.issued == a.expected:
+            return None          # past the attempt's last collective: the others vote next
         elif a.vote is None and (self.sharded or self.inside or a.issued):
             last = f" (the last issued: torch.distributed.{a.last})" if a.last else ""
             where = (f"between the collectives of a step that memory did not make tight "

@@ -394,7 +394,8 @@ class Transaction:
         self._voted = False
         try:
             peers = self.peers
-            with peers.attempt(self.deferred, self._vote_before) if peers is not None \
+            n_micro = len(self.g.config.sizes.of(self.a.n, self.micro))
+            with peers.attempt(self.deferred, self._vote_before, n_micro) if peers is not None \
                     else contextlib.nullcontext():
                 self.aux = self._attempt()
             if peers is not None:
