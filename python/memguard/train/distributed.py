@@ -62,11 +62,9 @@ def fsdp2_roots(model: torch.nn.Module | None) -> list[torch.nn.Module]:
         return []
     if model is None:
         return []
-    roots: list[torch.nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule) and not any(m in set(r.modules()) for r in roots):
-            roots.append(m)
-    return roots
+    if isinstance(model, FSDPModule):
+        return [model]
+    return [r for child in model.children() for r in fsdp2_roots(child)]
 
 
 @dataclasses.dataclass(frozen=True)
