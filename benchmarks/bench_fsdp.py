@@ -3,8 +3,8 @@
 Two ranks (``torchrun``, gloo, CPU, one thread each) train ``BLOCKS`` MLP
 blocks (``WIDTH`` -> 4x -> ``WIDTH``), each block and the root
 ``fully_shard``ed, AdamW, ``BATCH`` samples per rank. The plain FSDP2 loop
-runs interleaved (rounds of ``ROUND`` steps, so that the machine's drift
-falls on both alike) with, in turn, the same model through an installed
+runs interleaved (rounds of ``ROUND`` steps, each run first in turn, so
+that the machine's drift falls on both alike) with, in turn, the same model through an installed
 ``Guard`` with its defaults (memory calm: the ranks vote at the boundary
 and after the attempt, not before each collective), then one with
 ``sync_collectives="always"`` (a vote before each of FSDP2's all-gathers
@@ -30,7 +30,7 @@ from benchlib import ROOT, Figures, fmt
 SECTION = "fsdp"
 TITLE = "FSDP2 through Guard.step without pressure (2 ranks, gloo, CPU)"
 BLOCKS, WIDTH, BATCH = 4, 512, 64
-ROUND, ROUNDS, WARMUP = 5, 8, 3
+ROUND, ROUNDS, WARMUP = 5, 16, 2
 MODES = ("plain", "guarded", "armed")
 
 
@@ -87,7 +87,8 @@ def worker(out: str) -> None:
         step, guard = _stepper(mode)
         with guard:
             for r in range(ROUNDS + WARMUP):
-                for m, f in (("plain/" + mode, plain), (mode, step)):
+                pair = [("plain/" + mode, plain), (mode, step)]
+                for m, f in pair[::1 if r % 2 else -1]:       # each first in turn
                     dist.barrier()
                     t0 = time.perf_counter()
                     for _ in range(ROUND):
