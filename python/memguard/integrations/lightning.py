@@ -151,8 +151,26 @@ class MemGuardCallback(_ReleaseAfterLoops):
             raise ValueError(f"log_every_n_steps must be a positive integer, not "
                              f"{log_every_n_steps!r}")
         self.guard = Guard(budget, micro_batch, **guard_kwargs)
+        self._args = (budget, micro_batch, guard_kwargs)
         self.log_every_n_steps = log_every_n_steps
         self._pending: dict | None = None
+
+    # -- spawned processes ---------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned process gets (``strategy="ddp_spawn"`` pickles the
+        trainer and its callbacks): the guard's options and, once it has
+        stepped, its state; not the guard (its sampler, locks and allocator
+        are this process's), which is made again there."""
+        state = self.__dict__.copy()
+        guard = state.pop("guard")
+        if state["_pending"] is None and guard.steps:
+            state["_pending"] = guard.state_dict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        budget, micro_batch, guard_kwargs = self._args
+        self.guard = Guard(budget, micro_batch, **guard_kwargs)
 
     # -- lifecycle -----------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -493,11 +511,11 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
     if isinstance(opt, list):
         raise TypeError("MemGuardModule steps one optimizer; configure_optimizers returned "
                         f"{len(opt)}")
-    ddp = guard.model
-    if ddp is not None and hasattr(ddp, "require_backward_grad_sync"):
-        # this step runs inside DDP's forward: keep DDP from preparing a
-        # synchronising backward after it; memguard synchronises the gradients
-        ddp.require_backward_grad_sync = False
+    ddp = _ddp_of(guard)
+    if ddp is not None:
+        # DDP's flag as outside no_sync(): with ddp_overlap, the last
+        # micro-batch's backward is DDP's own synchronising one
+        ddp.require_backward_grad_sync = True
     logs = _LogCollector()
 
     def loss_fn(micro: Any) -> Any:
@@ -512,9 +530,22 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
                          post_step=self.memguard_post_step)
     except SkipStep:                     # rolled back, on every rank alike
         return None
+    finally:
+        if ddp is not None:
+            # this step ran inside DDP's forward: keep DDP from preparing a
+            # synchronising backward after it (Lightning's own manual
+            # optimization does the same; it sets the flag back after)
+            ddp.require_backward_grad_sync = False
     _log_once(self, logs, res.n_micro, batch_size(batch))
     _step_schedulers(self, "step")
     return torch.tensor(res.loss)
+
+
+def _ddp_of(guard: Guard) -> Any:
+    """The guard's model where it is DDP-wrapped (it has DDP's gradient-sync
+    flag), else ``None``."""
+    model = guard.model
+    return model if hasattr(model, "require_backward_grad_sync") else None
 
 
 def _loss_weight(out: Any, micro: Any) -> float:
