@@ -41,6 +41,7 @@ _LAZY = {
     "BudgetOverrunWarning": "memguard.train.overruns",
     "WorkersWarning": "memguard.train.workers",
     "ForecastWarning": "memguard.train.drift",
+    "StrandedCollective": "memguard.train.collectives",
     "Accumulator": "memguard.train.accumulation",
     "accumulate": "memguard.train.accumulation",
     "BatchSizeResult": "memguard.train.finder",
@@ -74,7 +75,7 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     # training
     "Accumulator", "BatchSizeResult", "BudgetOverrunWarning", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
-    "find_batch_size", "ForecastWarning", "WorkersWarning",
+    "find_batch_size", "ForecastWarning", "StrandedCollective", "WorkersWarning",
     # integrations
     "lightning",
     # options

@@ -98,6 +98,12 @@ class GuardConfig:
             computation; an out-of-memory error inside that backward is then
             not recoverable. By default gradients are all-reduced after
             every rank has finished its backward passes.
+        sync_collectives: under ``torch.distributed``, when the ranks vote
+            before each collective inside a step (FSDP2's all-gathers and
+            reduce-scatters, a loss's all-gather), which makes an
+            out-of-memory error between them recoverable on every rank
+            (:mod:`memguard.train.collectives`): ``"auto"`` while memory is
+            tight, ``"always"`` at every step.
         cuda_budget: the budget of the CUDA device the batches are on: a
             size, a share of the device (``"75%"``) or ``"auto"`` (live: 90 %
             of what this process holds there plus what is free, re-read at
@@ -142,6 +148,7 @@ class GuardConfig:
     on_critical: Callable[[Any], Any] | None = None
     process_group: Any = None
     ddp_overlap: bool = False
+    sync_collectives: str = "auto"
     cuda_budget: str | int | None = None
     cuda: Any = None
     mps: Any = None
@@ -161,6 +168,9 @@ class GuardConfig:
         if self.steps_per_epoch is not None:
             _positive_int("steps_per_epoch", self.steps_per_epoch)
         _check_horizon(self.forecast_horizon)
+        if self.sync_collectives not in ("auto", "always"):
+            raise ValueError(f"sync_collectives must be 'auto' or 'always', not "
+                             f"{self.sync_collectives!r}")
         h = self.headroom
         if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
                               or not 0 < h < 1):

@@ -22,6 +22,15 @@ Gradients are synchronised in one of two ways:
   backward overlaps communication with computation. An out-of-memory error
   *inside* that backward cannot be recovered (the other ranks are already
   in DDP's all-reduces), and training stops with it.
+
+A model sharded with FSDP2 (``fully_shard``) reduce-scatters every
+micro-batch's gradients in its backward, as it does unsplit (accumulating
+unsharded gradients would cost the whole model on every rank); the vote
+comes after the attempt. Collectives inside an attempt (FSDP2's, or a
+loss's all-gather under DDP) are voted before, while memory is tight
+(:mod:`memguard.train.collectives`); after an out-of-memory error FSDP2's
+per-iteration state is reset (``FSDPModule.reset_iter_state``) before the
+step is redone.
 """
 from __future__ import annotations
 
@@ -32,6 +41,9 @@ from typing import Any
 
 import torch
 
+from memguard.train import collectives
+from memguard.train.collectives import Attempt, StrandedCollective
+
 _BUCKET_BYTES = 25 << 20   # DDP's default bucket size
 _IN_PLACE_BYTES = 1 << 20  # gradients this large are all-reduced where they are
 
@@ -39,6 +51,22 @@ _IN_PLACE_BYTES = 1 << 20  # gradients this large are all-reduced where they are
 def _dist() -> Any:
     import torch.distributed as dist
     return dist
+
+
+def fsdp2_roots(model: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """The outermost FSDP2 (``fully_shard``) modules of ``model``: those
+    whose per-iteration state a failed attempt resets."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    if model is None:
+        return []
+    roots: list[torch.nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and not any(m in set(r.modules()) for r in roots):
+            roots.append(m)
+    return roots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +128,16 @@ class Peers:
         self._armed = False    # a synchronising forward may have run this attempt
         self._flats: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self.collectives = 0   # all-reduces issued, for tests and telemetry
+        #: FSDP2's outermost modules: their gradients leave in every backward
+        self.fsdp_roots = fsdp2_roots(model)
+        self.sharded = bool(self.fsdp_roots)
+        #: this step's attempts vote before each collective (begin_plan)
+        self.armed = False
+        self.armed_steps = 0   # steps armed, for tests and telemetry
+        #: whether an attempt issued collectives (None: none has run yet)
+        self.inside: bool | None = None
+        self._attempt: Attempt | None = None
+        collectives.install()
         # the votes' tensors, made once (for every parameter, whether or not
         # it trains now): a vote after an out-of-memory error must not
         # allocate under the budget that was just exhausted
@@ -124,7 +162,8 @@ class Peers:
         if not (dist.is_available() and dist.is_initialized()):
             return None
         from torch.nn.parallel import DistributedDataParallel
-        if dist.get_world_size(group) < 2 and not isinstance(model, DistributedDataParallel):
+        if dist.get_world_size(group) < 2 and not isinstance(model, DistributedDataParallel) \
+                and not fsdp2_roots(model):
             return None
         return Peers(model, group, overlap)
 
@@ -136,7 +175,7 @@ class Peers:
         host.numpy()[:] = values
         if staged:
             wire.copy_(host)
-        _dist().all_reduce(wire, op=_dist().ReduceOp.MIN, group=self.group)
+        collectives.original("all_reduce")(wire, op=_dist().ReduceOp.MIN, group=self.group)
         self.collectives += 1
         if staged:
             host.copy_(wire)
@@ -163,24 +202,79 @@ class Peers:
         return Vote(outcome, res[1], [v < 0 for v in res[2:]])
 
     # -- per step ------------------------------------------------------------
+    def begin_plan(self, micro: int, tight: bool) -> int:
+        """The step's size (the smallest any rank proposes), and whether its
+        attempts vote before each collective (:attr:`armed`): where any rank
+        finds memory tight and attempts issue collectives (or none has run
+        yet), with another rank to strand. One all-reduce for both."""
+        agreed, calm = self.agree([micro, 0 if tight else 1])
+        self.armed = not calm and self.world > 1 and self.inside is not False
+        self.armed_steps += self.armed
+        return agreed
+
     def begin_step(self) -> None:
         """Remember DDP's buffer-sync flag, which a redone step restores so
         every rank's first forward issues the same collectives."""
         if self.ddp is not None:
             self._param_sync = self.ddp.require_forward_param_sync
 
-    def attempt(self, deferred: bool) -> contextlib.AbstractContextManager:
-        """The context an attempt's micro-batches run in: all of them under
-        ``no_sync()`` when the gradients are all-reduced afterwards."""
+    def attempt(self, deferred: bool, vote: Any) -> contextlib.AbstractContextManager:
+        """The context an attempt's micro-batches run in: its collectives
+        counted, and voted before through ``vote(name)`` where the step is
+        :attr:`armed`; all of them under ``no_sync()`` when DDP's gradients
+        are all-reduced afterwards."""
         self._armed = self.ddp is not None and not deferred
-        if self.ddp is None or not deferred:
-            return contextlib.nullcontext()
-        return self.ddp.no_sync()
+        self._attempt = Attempt(vote if self.armed else None)
+        stack = contextlib.ExitStack()
+        stack.enter_context(collectives.attempt_of(self._attempt))
+        if self.ddp is not None and deferred:
+            stack.enter_context(self.ddp.no_sync())
+        return stack
+
+    def attempt_done(self) -> None:
+        """The attempt's micro-batches ran: whether attempts issue
+        collectives is known from now on."""
+        if self._attempt is not None:
+            self.inside = bool(self.inside) or self._attempt.issued > 0
+
+    def stranded(self, exc: BaseException) -> StrandedCollective | None:
+        """After this rank ran out of memory: the error to stop with where
+        the others may wait in a collective it cannot join (the step was not
+        armed and its attempts issue collectives, or the error came from
+        inside one); ``None`` where a vote reaches them."""
+        a = self._attempt
+        if a is None or self.world < 2:
+            return None
+        if a.failed_inside:
+            where = f"inside torch.distributed.{a.failed_inside}, which the other ranks joined"
+        elif a.vote is None and (self.sharded or self.inside or a.issued):
+            last = f" (the last issued: torch.distributed.{a.last})" if a.last else ""
+            where = (f"between the collectives of a step that memory did not make tight "
+                     f"(its agreement was not armed){last}")
+        else:
+            return None
+        return StrandedCollective(
+            f"memguard: rank {self.rank} ran out of memory {where}: the other ranks wait in "
+            f"a collective this rank cannot join, so the step cannot be redone. Guard("
+            f"sync_collectives='always') votes before every collective of every step, "
+            f"which makes any such error recoverable")
+
+    def abort(self) -> None:
+        """Tear the process group down, so that the other ranks fail now
+        instead of waiting for its timeout."""
+        with contextlib.suppress(RuntimeError, ValueError):   # already torn down
+            _dist().destroy_process_group()
 
     def reset(self) -> None:
         """Before a step is redone: put DDP back as it was at the step's
         start. With ``overlap`` a rank may have prepared the reducer for a
         synchronising backward that never ran; every rank resets it alike."""
+        for root in self.fsdp_roots:
+            reset = getattr(root, "reset_iter_state", None)
+            if reset is None:
+                raise RuntimeError("memguard: redoing an FSDP2 step needs "
+                                   "FSDPModule.reset_iter_state (torch 2.13 or later)")
+            reset()
         if self.ddp is None:
             return
         if self._param_sync is not None:

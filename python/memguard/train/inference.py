@@ -17,6 +17,8 @@ tensor budget refuses the smallest size (the machine did not), the call goes
 on past the budget, as code outside a guarded step does
 (:mod:`memguard.train.overruns`): an inference the plain loop would finish
 is never ended by memguard.
+
+Under FSDP2 across ranks the batch runs whole (see :func:`_sharded`).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from memguard.telemetry.events import Event
 from memguard.telemetry.samples import Level
 from memguard.train import batch as _batch
 from memguard.train import outputs as _outputs
+from memguard.train.distributed import fsdp2_roots
 from memguard.train.peaks import PeakMeter
 from memguard.train.step import gave_up
 
@@ -181,6 +184,9 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
     the outputs joined by :func:`memguard.train.outputs.join`."""
     n = _batch.checked_size(batch)
     _outputs.check_combine(combine)
+    if _sharded(guard):
+        with torch.no_grad():
+            return fn(batch)
     plan, sizes = guard.inference, guard.config.sizes
     start, micro, parts, outs, counts, tried = 0, 0, [], [], [], []
     refused, past = _refusals(), False      # past: served past memguard's budget
@@ -220,6 +226,16 @@ def infer(guard: Guard, batch: Any, fn: Callable[[Any], Any], combine: Any = Non
                         "machine did not)" if nxt == micro else "")
             micro, parts = nxt, sizes.of(n - start, nxt)
     return _outputs.join(outs, counts, combine)
+
+
+def _sharded(guard: Guard) -> bool:
+    """Whether the guard's model is sharded by FSDP2 across ranks: each
+    forward all-gathers, so every rank must run as many as the others, and
+    the batch runs whole, as the plain loop runs it (a split agreed among
+    the ranks is not built yet)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+        and bool(fsdp2_roots(guard.model))
 
 
 def _refusals() -> int:

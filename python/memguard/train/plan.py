@@ -14,6 +14,9 @@ from memguard.train.checkpoint import Checkpoints
 from memguard.train.checkpoint import wrap as wrap_checkpoints
 from memguard.train.config import GuardConfig
 
+#: a step predicted to peak above this share of its budget is tight
+TIGHT_SHARE = 0.8
+
 
 class Plan:
     """The planner and its escalation.
@@ -47,6 +50,7 @@ class Plan:
             ck if isinstance(ck, Checkpoints) else wrap_checkpoints(ck)
         self._event, self._on_critical = event, on_critical
         self._grow_after = config.grow_after
+        self._sync = config.sync_collectives
         self._calm = 0                 # calm boundaries since the last checkpoint change
         self._critical_fired = False   # on_critical ran in this CRITICAL episode
         #: decisions that changed the size, OOM redos included
@@ -74,7 +78,7 @@ class Plan:
         budget = self.budget
         micro = int(self.planner.begin(n, plan_level))
         if peers is not None:
-            agreed = peers.agree([micro])[0]     # the smallest proposal
+            agreed = peers.begin_plan(micro, self.tight(n, micro, plan_level))
             if agreed < micro:
                 self.planner.agree(agreed)
                 micro = agreed
@@ -84,6 +88,22 @@ class Plan:
         if state["action"] != "hold":
             self.changes += 1
         return micro, {"plan": state, "level": int(plan_level), "budget": budget}
+
+    def tight(self, n: int, micro: int, level: int) -> bool:
+        """Whether memory is tight for a step of ``n`` samples at ``micro``
+        (the ranks then vote before each collective inside it: see
+        :mod:`memguard.train.collectives`): always with
+        ``sync_collectives="always"``; else under pressure, split, soon
+        after an out-of-memory error, before the peak model knows the
+        size, or where it predicts more than :data:`TIGHT_SHARE` of the
+        budget."""
+        st = self.planner.state()
+        if self._sync == "always" or level >= Level.ELEVATED or micro < n:
+            return True
+        if st["ooms"] and st["calm_since_fail"] < self._grow_after:
+            return True
+        peak = int(self.planner.predict(micro) or 0)
+        return peak == 0 or bool(self.budget) and peak > TIGHT_SHARE * self.budget
 
     def oom(self, micro: int) -> int:
         """Out of memory at ``micro``: the next size (0: nothing smaller)."""

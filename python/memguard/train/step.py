@@ -44,6 +44,10 @@ log = logging.getLogger("memguard")
 _PEER_SKIPPED = "another rank's loss_fn skipped this batch: every rank skips it"
 _PEER_WEIGHTLESS = ("another rank's micro-batch weights sum to 0: it has no weighted mean "
                     "to average with this one's")
+_SHARDED_WEIGHTS = ("loss_fn returned a weight under FSDP2, whose backward reduce-scatters "
+                    "each micro-batch's gradients before the step's weights are all known: "
+                    "return the micro-batch's mean loss without a weight (micro-batches are "
+                    "then weighted by their samples), or train under DDP")
 
 
 @dataclasses.dataclass
@@ -390,8 +394,11 @@ class Transaction:
         self._voted = False
         try:
             peers = self.peers
-            with peers.attempt(self.deferred) if peers is not None else contextlib.nullcontext():
+            with peers.attempt(self.deferred, self._vote_before) if peers is not None \
+                    else contextlib.nullcontext():
                 self.aux = self._attempt()
+            if peers is not None:
+                peers.attempt_done()
             if self.deferred:
                 self._agree_done()
             return None
@@ -420,6 +427,11 @@ class Transaction:
         nxt = g.planner.oom(self.micro)
         if self.peers is None:
             return _Redo(self.micro, nxt, False, cause=None if nxt else exc)
+        stranded = self.peers.stranded(exc)
+        if stranded is not None:           # no vote can reach the others
+            self.peers.abort()
+            stranded.__cause__ = exc
+            return _Redo(self.micro, 0, False, refused=stranded)
         vote = self.peers.vote(self.peers.OOM, nxt, deferred=self.deferred)
         if vote.outcome == "weightless":       # another rank's step cannot be done
             refused = ValueError(_PEER_WEIGHTLESS)
@@ -495,15 +507,27 @@ class Transaction:
         self._voted = True
         vote = self.peers.vote(self.peers.WEIGHTLESS if weightless else self.peers.OK,
                                self.micro, used or None, deferred=self.deferred)
-        if vote.outcome == "weightless":
-            self.peers.reset()
-            raise weightless or ValueError(_PEER_WEIGHTLESS)
-        if vote.outcome == "skip":
-            self.peers.reset()
-            raise SkipStep(_PEER_SKIPPED)
+        if vote.outcome != "ok":
+            self._raise_for(vote, weightless)
+        self._used_anywhere = vote.used_anywhere
+
+    def _vote_before(self, collective: str) -> None:
+        """Armed: before each collective of the attempt, the ranks vote,
+        and what another rank voted (an out-of-memory error, a skipped
+        batch) is raised here, as at the step's own vote."""
+        vote = self.peers.vote(self.peers.OK, self.micro, deferred=self.deferred)
+        if vote.outcome != "ok":
+            self._voted = True             # this rank has voted what ends the attempt
+            self._raise_for(vote)
+
+    def _raise_for(self, vote: Any, weightless: ValueError | None = None) -> None:
+        """What a vote other than "ok" makes every rank raise."""
         if vote.outcome == "oom":
             raise PeerOOM(vote.next, self.micro)
-        self._used_anywhere = vote.used_anywhere
+        self.peers.reset()
+        if vote.outcome == "skip":
+            raise SkipStep(_PEER_SKIPPED)
+        raise weightless or ValueError(_PEER_WEIGHTLESS)
 
     # -- the micro-batch -------------------------------------------------------
     def _micro_batch(self, micro_batch: Any, last: bool) -> Any:
@@ -519,6 +543,8 @@ class Transaction:
         elif self._caller_weights != caller:
             raise ValueError("loss_fn returned a weight for some micro-batches and not "
                              "for others")
+        if caller and self.peers is not None and self.peers.sharded:
+            raise ValueError(_SHARDED_WEIGHTS)
         if weight is None:
             weight = _batch.batch_size(micro_batch)
         if "amp" not in self.warned:
