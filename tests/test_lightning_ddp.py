@@ -18,14 +18,16 @@ import pickle
 import signal
 import subprocess
 import sys
+import types
 
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-pytest.importorskip("lightning")
+L = pytest.importorskip("lightning.pytorch")
 
-from memguard.integrations.lightning import MemGuardCallback
+import memguard
+from memguard.integrations.lightning import MemGuardCallback, MemGuardModule
 from tests.conftest import ROOT
 from tests.lightning_ddp_worker import BATCH, RUNS, STEPS, VAL_BATCHES
 
@@ -115,3 +117,29 @@ def test_the_callback_crosses_into_a_spawned_process():
     cb.guard.steps = 5                                               # one that stepped
     state = pickle.loads(pickle.dumps(cb))._pending
     assert state == cb.guard.state_dict() and state["steps"] == 5
+
+
+def test_lightning_fsdp1_is_refused_before_the_first_step():
+    """Lightning's ``strategy="fsdp"`` has wrapped the module in FSDP1 by
+    ``on_fit_start`` (and before validation, test or predict loops): the
+    callback refuses it there, naming it and what to use instead; a
+    MemGuardModule without a callback refuses it as it makes its own guard,
+    at its first step."""
+    from tests.test_engines import fsdp1
+
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(model=fsdp1()), callbacks=[])
+    cb = MemGuardCallback(budget=None, allocator=False)
+    for hook in (cb.on_fit_start, cb.on_validation_start, cb.on_test_start, cb.on_predict_start):
+        with pytest.raises(memguard.UnsupportedEngine, match=r"FSDP1 .* use FSDP2 .*"
+                                                            r"ModelParallelStrategy"):
+            hook(trainer, None)
+    assert cb.guard.model is None and not cb.guard.installed
+
+    class Module(MemGuardModule, L.LightningModule):
+        pass
+
+    module = Module()
+    module._trainer = trainer
+    with pytest.raises(memguard.UnsupportedEngine, match="strategy=\"fsdp\""):
+        _ = module.memguard
+    assert "_memguard_own" not in module.__dict__

@@ -66,6 +66,7 @@ from memguard._common import MiB
 from memguard.telemetry import workers_metrics
 from memguard.train import outputs
 from memguard.train.batch import batch_size
+from memguard.train.engines import check_supported
 from memguard.train.guard import Guard
 from memguard.train.step import SkipStep, unpack
 
@@ -95,6 +96,23 @@ def _guard_of(trainer: Any) -> Guard | None:
         if isinstance(cb, MemGuardCallback):
             return cb.guard
     return None
+
+
+def _attach(guard: Guard, trainer: Any) -> None:
+    """The model the guard steps: the strategy's, set up by now. Under DDP
+    (``ddp``, ``ddp_spawn``) its wrapper, through which the ranks agree and
+    the gradients are synchronised; under ``ModelParallelStrategy`` (FSDP2's
+    ``fully_shard`` applied in ``configure_model``) and on one device, the
+    LightningModule itself. An engine memguard's step cannot run
+    (``strategy="fsdp"``, FSDP1; tensor or pipeline parallelism) is refused
+    here, before the first step.
+
+    Raises:
+        memguard.UnsupportedEngine: naming the engine and what to use instead.
+    """
+    model = trainer.strategy.model
+    check_supported(model)
+    guard.model = model
 
 
 def _epoch_length(guard: Guard, trainer: Any) -> None:
@@ -180,12 +198,20 @@ class MemGuardCallback(_ReleaseAfterLoops):
             _resume(self.guard, self._pending)
             self._pending = None
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # the strategy has wrapped the module by now (DDP): the guard's ranks
-        # agree through it and its no_sync()
-        model = trainer.strategy.model
-        self.guard.model = model if model is not pl_module else None
         _epoch_length(self.guard, trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._end()
@@ -379,8 +405,7 @@ class MemGuardModule:
             guard = self.__dict__.get("_memguard_own")
             if guard is None:
                 guard = Guard()
-                model = self.trainer.strategy.model
-                guard.model = model if model is not self else None
+                _attach(guard, self.trainer)
                 _epoch_length(guard, self.trainer)
                 guard.install()
                 self.__dict__["_memguard_own"] = guard
