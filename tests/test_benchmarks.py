@@ -53,7 +53,8 @@ def test_suite_is_collected_from_the_benchmarks_directory(tmp_path) -> None:
                    "benchmarks/bench_pressure.py::test_limit_lowered_then_raised[memguard]",
                    "benchmarks/bench_gpu_pressure.py::test_mid_run[freed]",
                    "benchmarks/bench_pressure.py::test_oom_at_start_then_raised",
-                   "benchmarks/bench_fp16_split.py::test_fp16_split"):
+                   "benchmarks/bench_fp16_split.py::test_fp16_split",
+                   "benchmarks/bench_lightning_ddp.py::test_lightning_ddp_calm"):
         assert wanted in ids, sorted(ids)
     # and `make test` (plain pytest) does not run them: tests/ is the only test
     # path. Every module of tests/ but this one is left out of the collection
@@ -194,6 +195,26 @@ def test_throttle_overhead_summary_judges_the_paired_processes() -> None:
     assert data["overhead"]["verdict"] == "PASS"               # at the target passes
     _, data, _ = bench.summarize([rec([1.03, 0.99, 1.02])])
     assert data["overhead"]["verdict"] == "OVER"               # a hundredth above fails
+
+
+def test_lightning_ddp_summary_pairs_each_round_with_its_plain_fit() -> None:
+    """bench_lightning_ddp from made-up fits: each guarded configuration's
+    median step over the plain fit of its round, the median of those
+    ratios judged against 1.03 (at it passes, above it does not)."""
+    bench = bench_module("bench_lightning_ddp")
+    times = {"plain": [[0.10, 0.10, 0.11], [0.20, 0.20, 0.20], [0.10, 0.10, 0.10]],
+             "guarded": [[0.11, 0.11, 0.11], [0.206, 0.206, 0.3], [0.10, 0.10, 0.10]],
+             "overlap": [[0.10, 0.10, 0.10], [0.20, 0.20, 0.20], [0.103, 0.103, 0.103]]}
+    rec = {"times": times, "config": [4, 512, 64, 12, 2, 3], "nodeid": "n"}
+    lines, data, per_test = bench.summarize([rec])
+    assert data["paired_ratios"]["guarded"] == pytest.approx([1.1, 1.03, 1.0])
+    assert data["ratio"] == pytest.approx({"guarded": 1.03, "overlap": 1.0})
+    assert data["verdict"] == {"guarded": "PASS", "overlap": "PASS"}
+    assert per_test["n"] == {f"{m}_over_plain": v for m, v in data["ratio"].items()}
+    assert any(ln.startswith("guarded (defaults") and "median 1.030x (target <= 1.03)  PASS"
+               in ln for ln in lines), lines
+    times["guarded"][1] = [0.2062] * 3           # 1.031: the median over 1.03
+    assert bench.summarize([rec])[1]["verdict"]["guarded"] == "OVER"
 
 
 def _cpu_rec(workload: str, config: str, step: float, sys_s: float, faults: int,

@@ -2,7 +2,8 @@
 like the unthrottled one, the callback logs through the trainer's loggers,
 its state survives a checkpoint and resume, and pressure or a real
 out-of-memory error inside a step shrinks the micro-batch without failing
-the run. (2-process DDP: tests/test_examples.py runs dreams_lightning.py.)"""
+the run. (2-process DDP: tests/test_lightning_ddp.py, and tests/test_examples.py
+runs dreams_lightning.py.)"""
 from __future__ import annotations
 
 import csv

@@ -42,6 +42,7 @@ _LAZY = {
     "WorkersWarning": "memguard.train.workers",
     "ForecastWarning": "memguard.train.drift",
     "StrandedCollective": "memguard.train.collectives",
+    "UnsupportedEngine": "memguard.train.engines",
     "Accumulator": "memguard.train.accumulation",
     "accumulate": "memguard.train.accumulation",
     "BatchSizeResult": "memguard.train.finder",
@@ -75,7 +76,8 @@ __all__ = [  # noqa: RUF022 - grouped by concern, as the docs are
     # training
     "Accumulator", "BatchSizeResult", "BudgetOverrunWarning", "Guard", "GuardOOMError", "NonFiniteLossError",
     "OptimizerOOMError", "Output", "PostStepError", "StepResult", "accumulate", "checkpoint",
-    "find_batch_size", "ForecastWarning", "StrandedCollective", "WorkersWarning",
+    "find_batch_size", "ForecastWarning", "StrandedCollective", "UnsupportedEngine",
+    "WorkersWarning",
     # integrations
     "lightning",
     # options

@@ -66,6 +66,7 @@ from memguard._common import MiB
 from memguard.telemetry import workers_metrics
 from memguard.train import outputs
 from memguard.train.batch import batch_size
+from memguard.train.engines import check_supported
 from memguard.train.guard import Guard
 from memguard.train.step import SkipStep, unpack
 
@@ -95,6 +96,23 @@ def _guard_of(trainer: Any) -> Guard | None:
         if isinstance(cb, MemGuardCallback):
             return cb.guard
     return None
+
+
+def _attach(guard: Guard, trainer: Any) -> None:
+    """The model the guard steps: the strategy's, set up by now. Under DDP
+    (``ddp``, ``ddp_spawn``) its wrapper, through which the ranks agree and
+    the gradients are synchronised; under ``ModelParallelStrategy`` (FSDP2's
+    ``fully_shard`` applied in ``configure_model``) and on one device, the
+    LightningModule itself. An engine memguard's step cannot run
+    (``strategy="fsdp"``, FSDP1; tensor or pipeline parallelism) is refused
+    here, before the first step.
+
+    Raises:
+        memguard.UnsupportedEngine: naming the engine and what to use instead.
+    """
+    model = trainer.strategy.model
+    check_supported(model)
+    guard.model = model
 
 
 def _epoch_length(guard: Guard, trainer: Any) -> None:
@@ -151,8 +169,26 @@ class MemGuardCallback(_ReleaseAfterLoops):
             raise ValueError(f"log_every_n_steps must be a positive integer, not "
                              f"{log_every_n_steps!r}")
         self.guard = Guard(budget, micro_batch, **guard_kwargs)
+        self._args = (budget, micro_batch, guard_kwargs)
         self.log_every_n_steps = log_every_n_steps
         self._pending: dict | None = None
+
+    # -- spawned processes ---------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned process gets (``strategy="ddp_spawn"`` pickles the
+        trainer and its callbacks): the guard's options and, once it has
+        stepped, its state; not the guard (its sampler, locks and allocator
+        are this process's), which is made again there."""
+        state = self.__dict__.copy()
+        guard = state.pop("guard")
+        if state["_pending"] is None and guard.steps:
+            state["_pending"] = guard.state_dict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        budget, micro_batch, guard_kwargs = self._args
+        self.guard = Guard(budget, micro_batch, **guard_kwargs)
 
     # -- lifecycle -----------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -162,12 +198,20 @@ class MemGuardCallback(_ReleaseAfterLoops):
             _resume(self.guard, self._pending)
             self._pending = None
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # the strategy has wrapped the module by now (DDP): the guard's ranks
-        # agree through it and its no_sync()
-        model = trainer.strategy.model
-        self.guard.model = model if model is not pl_module else None
         _epoch_length(self.guard, trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        _attach(self.guard, trainer)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._end()
@@ -361,8 +405,7 @@ class MemGuardModule:
             guard = self.__dict__.get("_memguard_own")
             if guard is None:
                 guard = Guard()
-                model = self.trainer.strategy.model
-                guard.model = model if model is not self else None
+                _attach(guard, self.trainer)
                 _epoch_length(guard, self.trainer)
                 guard.install()
                 self.__dict__["_memguard_own"] = guard
@@ -493,11 +536,11 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
     if isinstance(opt, list):
         raise TypeError("MemGuardModule steps one optimizer; configure_optimizers returned "
                         f"{len(opt)}")
-    ddp = guard.model
-    if ddp is not None and hasattr(ddp, "require_backward_grad_sync"):
-        # this step runs inside DDP's forward: keep DDP from preparing a
-        # synchronising backward after it; memguard synchronises the gradients
-        ddp.require_backward_grad_sync = False
+    ddp = _ddp_of(guard)
+    if ddp is not None:
+        # DDP's flag as outside no_sync(): with ddp_overlap, the last
+        # micro-batch's backward is DDP's own synchronising one
+        ddp.require_backward_grad_sync = True
     logs = _LogCollector()
 
     def loss_fn(micro: Any) -> Any:
@@ -512,9 +555,22 @@ def _guarded_training_step(self: Any, batch: Any, batch_idx: int, *args: Any,
                          post_step=self.memguard_post_step)
     except SkipStep:                     # rolled back, on every rank alike
         return None
+    finally:
+        if ddp is not None:
+            # this step ran inside DDP's forward: keep DDP from preparing a
+            # synchronising backward after it (Lightning's own manual
+            # optimization does the same; it sets the flag back after)
+            ddp.require_backward_grad_sync = False
     _log_once(self, logs, res.n_micro, batch_size(batch))
     _step_schedulers(self, "step")
     return torch.tensor(res.loss)
+
+
+def _ddp_of(guard: Guard) -> Any:
+    """The guard's model where it is DDP-wrapped (it has DDP's gradient-sync
+    flag), else ``None``."""
+    model = guard.model
+    return model if hasattr(model, "require_backward_grad_sync") else None
 
 
 def _loss_weight(out: Any, micro: Any) -> float:

@@ -346,14 +346,17 @@ class Peers:
 
     def finish(self, used_anywhere: list[bool]) -> None:
         """After the agreement: all-reduce the buckets :meth:`prepare` laid
-        out (in place) and copy them back; a parameter no rank had a
-        gradient for gets ``None`` again."""
+        out (in place; all issued at once, then waited for) and copy them
+        back; a parameter no rank had a gradient for gets ``None`` again."""
         if self.ddp is None:
             return
         dist = _dist()
+        works = [dist.all_reduce(flat, group=self.group, async_op=True)
+                 for _, flat in self._flats]
+        self.collectives += len(works)
+        for work in works:
+            work.wait()
         for bucket, flat in self._flats:
-            dist.all_reduce(flat, group=self.group)
-            self.collectives += 1
             if flat.data_ptr() == bucket[0].data_ptr() and len(bucket) == 1:
                 continue
             off = 0
