@@ -47,6 +47,7 @@ from memguard.train import batch as _batch
 from memguard.train.boundary import Boundary
 from memguard.train.config import GuardConfig
 from memguard.train.distributed import Peers
+from memguard.train.engines import check_supported
 from memguard.train.inference import InferencePlan, infer
 from memguard.train.interrupts import held
 from memguard.train.plan import Plan
@@ -344,10 +345,10 @@ class Guard:
             return Transaction(self, args, micro, begun, peers, self._warned).run()
 
     def _peers_for_step(self) -> Peers | None:
-        """The ranks to agree with: looked up at the first step, when
-        ``torch.distributed`` is initialised with more than one rank."""
+        """The ranks to agree with, looked up at the first step (the model's engine checked)."""
         if not self._peers_checked:
             c = self.config
+            check_supported(self.model)
             self._peers = Peers.detect(self.model, c.process_group, c.ddp_overlap)
             self._peers_checked = True
         return self._peers
