@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import gc
+import os
 import pathlib
+import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -10,6 +13,24 @@ from typing import Any, Callable
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, what: str,
+                cwd: Any = None) -> str:
+    """Run ``cmd`` (a launch of several processes) to its end; its output.
+    Past ``timeout_s`` its whole session is killed and the test fails,
+    saying ``what`` hung: a rank waiting in a collective another never
+    joins fails the test instead of hanging it."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout_s} s (a rank hung):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
 FIXTURES = ROOT / "tests" / "fixtures"
 
 _frozen_before: list = [None]   # the module whose first test last froze the heap

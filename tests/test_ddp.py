@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_bounded
 from tests.ddp_worker import H, T
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -39,15 +37,7 @@ def torchrun(tmp_path, *args: str, ranks: int = 2, records: bool = True) -> tupl
     path = [str(ROOT / "python"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
                OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a rank hung):\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    run_bounded(cmd, env, TIMEOUT_S, "torchrun")
     if not records:
         return ()
     return tuple(torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks))

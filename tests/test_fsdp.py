@@ -13,8 +13,6 @@ fails the test instead of hanging it.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_bounded
 from tests.fsdp_worker import SCENARIOS
 
 pytestmark = pytest.mark.skipif(
@@ -43,15 +41,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     path = [str(ROOT / "python"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p),
                OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a rank hung):\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-6000:]
+    run_bounded(cmd, env, TIMEOUT_S, "torchrun")
     return {name: tuple(torch.load(out / name / f"rank{r}.pt") for r in range(2))
             for name in SCENARIOS}
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
-import subprocess
 import sys
 import types
 
@@ -28,7 +26,7 @@ L = pytest.importorskip("lightning.pytorch")
 
 import memguard
 from memguard.integrations.lightning import MemGuardCallback, MemGuardModule
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_bounded
 from tests.lightning_ddp_worker import BATCH, RUNS, STEPS, VAL_BATCHES
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -47,16 +45,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
                OMP_NUM_THREADS="1")
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)              # a launch of its own, not a rank of another
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=out, start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail(f"the Lightning runs did not finish in {TIMEOUT_S} s (a rank hung):\n"
-                    f"{text[-4000:]}")
-    assert proc.returncode == 0, text[-6000:]
+    run_bounded(cmd, env, TIMEOUT_S, "the Lightning runs", cwd=out)
     return {name: tuple(torch.load(out / name / f"rank{r}.pt") for r in range(2))
             for name in RUNS}
 
