@@ -559,6 +559,24 @@ def _children_with(n: int, mib: int) -> list:
     return kids
 
 
+def _sample_once_children_hold(nbytes: int) -> memguard.Sample:
+    """A sample taken once the children hold ``nbytes`` (or after 20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        s = memguard.Sampler().sample_now()
+        if s.children_bytes >= nbytes or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+def _release(kids: list[tuple[int, int]]) -> None:
+    """Let the children of :func:`_children_with` exit, and reap them."""
+    for pid, w in kids:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
 def test_the_footprint_counts_forked_children_once() -> None:
     """Each child's own pages are counted; what it shares with this process
     (every page of the parent it did not write) is not counted again."""
@@ -569,21 +587,13 @@ def test_the_footprint_counts_forked_children_once() -> None:
         shared[i] = 1
     kids = _children_with(2, 48)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            s = memguard.Sampler().sample_now()
-            if s.children_bytes >= 96 * MiB or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        s = _sample_once_children_hold(96 * MiB)
         assert s.children == 2
         # their 2 x 48 MiB and a little of their own, not the parent's 96 MiB twice more
         assert 96 * MiB <= s.children_bytes < (96 + 2 * 40) * MiB
         assert s.footprint_bytes == s.rss_bytes + (s.swap_bytes or 0) + s.children_bytes
     finally:
-        for pid, w in kids:
-            os.write(w, b"x")
-            os.close(w)
-            os.waitpid(pid, 0)
+        _release(kids)
     assert memguard.Sampler().sample_now().children == 0
 
 
@@ -622,21 +632,13 @@ def test_other_ranks_of_the_job_are_not_children(monkeypatch) -> None:
     try:
         procs.append(_python_holding(48, {"LOCAL_RANK": "1"}, fork=True))   # rank 1
         procs.append(_python_holding(48, {"LOCAL_RANK": "0"}))   # a spawned worker
-        deadline = time.monotonic() + 20
-        while True:                             # until the forked worker has touched its own
-            s = memguard.Sampler().sample_now()
-            if s.children_bytes >= 96 * MiB or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        s = _sample_once_children_hold(96 * MiB)   # the forked worker has touched its own
         assert s.children == 2, "rank 1 (or its worker) was counted, or a worker was not"
         # the two workers' 48 MiB each and a little of their own, not rank 1's 2 x 48 MiB
         assert 96 * MiB <= s.children_bytes < (96 + 2 * 40) * MiB
         assert s.footprint_bytes == s.rss_bytes + (s.swap_bytes or 0) + s.children_bytes
     finally:
-        for pid, w in kids:
-            os.write(w, b"x")
-            os.close(w)
-            os.waitpid(pid, 0)
+        _release(kids)
         for p in procs:
             p.stdin.close()
             p.wait(timeout=30)

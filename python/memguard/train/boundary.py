@@ -98,7 +98,8 @@ class Boundary:
         budget = self.planner.budget
         # what a step at the smallest size needs above its floor, scaled
         need = max(0, exact - self.floor) * self.planner.opts["min_micro"] // max(micro, 1)
-        self.drift.observe(step, self._readings(budget), need)
+        if self.drift.horizon is not None:   # the readings cost a read of /proc
+            self.drift.observe(step, self._readings(budget), need)
         self.headroom.observe(step, micro, n, exact, budget, self.planner.planner,
                               self.peak.source)
         return peak

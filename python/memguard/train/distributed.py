@@ -254,17 +254,13 @@ class Peers:
         else:
             self._per_micro = per
 
-    def stranded(self, exc: BaseException) -> StrandedCollective | None:
-        """After this rank ran out of memory in a step: the error to stop
-        with where the others may wait in a collective it cannot join (see
-        :meth:`stranded_by`)."""
-        return self.stranded_by(self._attempt)
-
-    def stranded_by(self, a: Attempt | None) -> StrandedCollective | None:
-        """After this rank ran out of memory in attempt ``a``: the error to
-        stop with where the others may wait in a collective it cannot join
-        (the attempt was not armed and attempts issue collectives, or the
-        error came from inside one); ``None`` where a vote reaches them."""
+    def stranded(self, a: Attempt | None = None) -> StrandedCollective | None:
+        """After this rank ran out of memory in attempt ``a`` (the step's
+        last by default): the error to stop with where the others may wait
+        in a collective it cannot join (the attempt was not armed and
+        attempts issue collectives, or the error came from inside one);
+        ``None`` where a vote reaches them."""
+        a = a if a is not None else self._attempt
         if a is None or self.world < 2:
             return None
         if a.failed_inside:

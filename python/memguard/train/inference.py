@@ -44,7 +44,7 @@ from memguard.train import outputs as _outputs
 from memguard.train.collectives import Attempt
 from memguard.train.distributed import PeerOOM, Peers, fsdp2_roots
 from memguard.train.peaks import PeakMeter
-from memguard.train.plan import TIGHT_SHARE
+from memguard.train.plan import predicted_tight
 from memguard.train.step import gave_up
 
 if TYPE_CHECKING:
@@ -155,11 +155,8 @@ class InferencePlan:
         """Whether memory is tight for an inference of ``n`` samples at
         ``micro`` (the rule of :meth:`memguard.train.plan.Plan.tight`)."""
         st = self.planner.state()
-        if micro < n or st["ooms"]:
-            return True
-        peak = int(self.planner.predict(micro) or 0)
-        budget = int(st["budget_bytes"])
-        return peak == 0 or bool(budget) and peak > TIGHT_SHARE * budget
+        return bool(st["ooms"]) or predicted_tight(self.planner, n, micro,
+                                                   int(st["budget_bytes"]))
 
     def _meter(self, batch: Any) -> None:
         """Meter the next micro-batch's peak, from what its source holds now."""
@@ -298,7 +295,7 @@ def _infer_agreed(guard: Guard, peers: Peers, batch: Any, fn: Callable[[Any], An
                 nxt = plan.oom(guard, micro)
                 if not nxt and not past and _refusals() > refused:
                     nxt, past = micro, True  # memguard's budget, not the machine: serve it
-                stranded = None if armed else peers.stranded_by(attempt)
+                stranded = None if armed else peers.stranded(attempt)
                 if stranded is not None:
                     peers.abort()
                     raise stranded from exc

@@ -79,24 +79,24 @@ class RssPeak:
 
     def read(self) -> tuple[int | None, int | None]:
         """(RSS, high-water mark) in bytes, ``None`` where unreadable."""
-        self._open()
-        if self._status is None:
-            return None, None
-        try:
-            text = os.pread(self._status, 16384, 0)
-        except OSError:
-            return None, None
+        text = self._status_text()
         return _kib_field(text, b"VmRSS:"), _kib_field(text, b"VmHWM:")
 
     def footprint(self) -> int | None:
         """Resident plus swapped-out bytes now (``None`` where unreadable)."""
-        self._open()
-        try:
-            text = os.pread(self._status, 16384, 0) if self._status is not None else b""
-        except OSError:
-            return None
+        text = self._status_text()
         rss = _kib_field(text, b"VmRSS:")
         return None if rss is None else rss + (_kib_field(text, b"VmSwap:") or 0)
+
+    def _status_text(self) -> bytes:
+        """``/proc/self/status`` now (empty where unreadable)."""
+        self._open()
+        if self._status is None:
+            return b""
+        try:
+            return os.pread(self._status, 16384, 0)
+        except OSError:
+            return b""
 
 
 class FootprintPeak:

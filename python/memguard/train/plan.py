@@ -18,6 +18,16 @@ from memguard.train.config import GuardConfig
 TIGHT_SHARE = 0.8
 
 
+def predicted_tight(planner: Any, n: int, micro: int, budget: int) -> bool:
+    """Whether ``planner`` (a C planner) finds ``micro`` of ``n`` samples
+    tight: split, a size its peak model does not know, or a predicted peak
+    above :data:`TIGHT_SHARE` of ``budget`` (0: none)."""
+    if micro < n:
+        return True
+    peak = int(planner.predict(micro) or 0)
+    return peak == 0 or bool(budget) and peak > TIGHT_SHARE * budget
+
+
 class Plan:
     """The planner and its escalation.
 
@@ -98,12 +108,11 @@ class Plan:
         size, or where it predicts more than :data:`TIGHT_SHARE` of the
         budget."""
         st = self.planner.state()
-        if self._sync == "always" or level >= Level.ELEVATED or micro < n:
+        if self._sync == "always" or level >= Level.ELEVATED:
             return True
         if st["ooms"] and st["calm_since_fail"] < self._grow_after:
             return True
-        peak = int(self.planner.predict(micro) or 0)
-        return peak == 0 or bool(self.budget) and peak > TIGHT_SHARE * self.budget
+        return predicted_tight(self.planner, n, micro, self.budget)
 
     def oom(self, micro: int) -> int:
         """Out of memory at ``micro``: the next size (0: nothing smaller)."""

@@ -428,7 +428,7 @@ class Transaction:
         nxt = g.planner.oom(self.micro)
         if self.peers is None:
             return _Redo(self.micro, nxt, False, cause=None if nxt else exc)
-        stranded = self.peers.stranded(exc)
+        stranded = self.peers.stranded()
         if stranded is not None:           # no vote can reach the others
             self.peers.abort()
             stranded.__cause__ = exc
